@@ -1,0 +1,5 @@
+import sys
+
+from adaptive_eager.cli import main
+
+sys.exit(main())

@@ -1,0 +1,92 @@
+"""The public API: enable / disable / enabled / sync / stats."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Iterator
+
+from adaptive_eager.config import config
+from adaptive_eager.dispatch import escapes
+from adaptive_eager.dispatch.mode import AdaptiveMode
+from adaptive_eager.runtime import engine
+from adaptive_eager.runtime.stats import Stats, counters
+
+_local = threading.local()
+
+
+def _stack() -> list:
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _configure_logging() -> None:
+    logger = logging.getLogger("adaptive_eager")
+    level = config.LOG
+    logger.setLevel(logging.CRITICAL + 1 if level == "off" else level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[adaptive_eager] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+
+
+def enable() -> None:
+    """Run this thread's aten ops under the adaptive runtime until ``disable()``."""
+    config.validate_all()
+    _configure_logging()
+    runtime = engine.Runtime()
+    mode = AdaptiveMode(runtime)
+    escapes.install()
+    mode.__enter__()
+    _stack().append((runtime, mode))
+
+
+def disable() -> None:
+    """Finish deferred work and stop intercepting (the innermost ``enable()`` of this thread)."""
+    stack = _stack()
+    if not stack:
+        return
+    runtime, mode = stack.pop()
+    try:
+        runtime.close()
+    finally:
+        mode.__exit__(None, None, None)
+        escapes.uninstall()
+
+
+def is_enabled() -> bool:
+    return bool(_stack())
+
+
+@contextlib.contextmanager
+def enabled() -> Iterator[None]:
+    """``with ae.enabled(): ...`` — the runtime for the block, on this thread."""
+    enable()
+    try:
+        yield
+    finally:
+        disable()
+
+
+def sync() -> None:
+    """Finish all deferred work now, on every runtime in the process."""
+    for runtime in engine.live_runtimes():
+        runtime.flush()
+
+
+def stats() -> Stats:
+    """A frozen snapshot of the runtime's counters."""
+    for runtime in engine.live_runtimes():
+        runtime.publish_counts()
+    return counters.snapshot()
+
+
+def reset() -> None:
+    """Forget every key, kernel and counter (tests, benchmarks)."""
+    sync()
+    for runtime in engine.live_runtimes():
+        runtime.publish_counts()
+    engine.shared_table().clear()
+    counters.reset()

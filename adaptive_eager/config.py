@@ -1,0 +1,159 @@
+"""Every setting of adaptive-eager, declared once, read once from the environment.
+
+Each setting names its environment variable, type, default and help, and whether it changes
+what a compiled kernel computes (``affects_key``): those are part of every segment key so a
+kernel built under one value is never replayed under another.
+
+Tests override values with ``config.patch(NAME=value)``; nothing else reads ``os.environ``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from typing import Any, Callable, Iterator
+
+ENV_PREFIX = "NEURON_ADAPTIVE_EAGER"
+
+
+class ConfigError(ValueError):
+    """A setting has a value we cannot use; the message names the variable and what it accepts."""
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError("expected an integer >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("expected an integer >= 0")
+    return value
+
+
+def _log_level(text: str) -> str:
+    lowered = text.strip().lower()
+    if lowered not in ("off", "warning", "info", "debug"):
+        raise ValueError("expected one of off, warning, info, debug")
+    return lowered
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "adaptive_eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str                      # attribute name, e.g. HOT_THRESHOLD
+    parse: Callable[[str], Any]    # str -> typed value; raises ValueError with what it accepts
+    default: Callable[[], Any]     # called lazily so defaults can depend on the machine
+    help: str
+    affects_key: bool = False
+
+    @property
+    def env_var(self) -> str:
+        return ENV_PREFIX if self.name == "ENABLE" else f"{ENV_PREFIX}_{self.name}"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("ENABLE", _parse_bool, lambda: False,
+            "Run every Python process that imports torch under the runtime (the startup hook)."),
+    Setting("COMPILE", _parse_bool, lambda: True,
+            "0 = record and key segments but never compile: the debugging switch. Results are "
+            "then bitwise identical to eager."),
+    Setting("HOT_THRESHOLD", _positive_int, lambda: 3,
+            "How many times a segment key must be seen before it is compiled."),
+    Setting("MAX_SEGMENT_OPS", _positive_int, lambda: 64,
+            "Longest segment, in aten ops; longer runs are cut."),
+    Setting("BUFFER_POOL_MB", _non_negative_int, lambda: 1024,
+            "Memory (MiB) kept to reuse for large deferred outputs (saves page faults); "
+            "0 disables the pool."),
+    Setting("CACHE_DIR", str, _default_cache_dir,
+            "Where compiled kernels and segment records are kept."),
+    Setting("LOG", _log_level, lambda: "warning",
+            "Verbosity of the 'adaptive_eager' logger: off, warning, info or debug."),
+)
+_BY_NAME = {setting.name: setting for setting in SETTINGS}
+
+
+def _read(setting: Setting) -> Any:
+    raw = os.environ.get(setting.env_var)
+    if raw is None:
+        return setting.default()
+    try:
+        return setting.parse(raw)
+    except ValueError as err:
+        raise ConfigError(f"{setting.env_var}={raw!r} is not valid: {err}. "
+                          f"({setting.help})") from None
+
+
+class _Config:
+    """Attribute access to settings; each is read from the environment once, on first use."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._values[name]
+        except KeyError:
+            pass
+        setting = _BY_NAME.get(name)
+        if setting is None:
+            raise AttributeError(f"adaptive_eager.config has no setting {name!r}")
+        with self._lock:
+            value = self._values.setdefault(name, _read(setting))
+        return value
+
+    def validate_all(self) -> None:
+        """Read every setting now so a bad value fails at start-up, not mid-run."""
+        for setting in SETTINGS:
+            getattr(self, setting.name)
+
+    def reload(self) -> None:
+        """Forget values read so far (tests that change os.environ)."""
+        with self._lock:
+            self._values.clear()
+
+    def key_context(self) -> tuple:
+        """The settings that change compiled output, as a hashable tuple for segment keys."""
+        return tuple((s.name, getattr(self, s.name)) for s in SETTINGS if s.affects_key)
+
+    @contextlib.contextmanager
+    def patch(self, **overrides: Any) -> Iterator[None]:
+        """Temporarily set settings by name (tests)."""
+        unknown = set(overrides) - set(_BY_NAME)
+        if unknown:
+            raise AttributeError(f"unknown settings: {sorted(unknown)}")
+        saved = dict(self._values)
+        self._values.update(overrides)
+        try:
+            yield
+        finally:
+            self._values.clear()
+            self._values.update(saved)
+
+    def describe(self) -> list[dict]:
+        """Every setting with its variable, current value and help (for docs and the CLI)."""
+        return [{"env": s.env_var, "value": getattr(self, s.name), "help": s.help,
+                 "affects_key": s.affects_key} for s in SETTINGS]
+
+
+config = _Config()

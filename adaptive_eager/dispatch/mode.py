@@ -1,0 +1,28 @@
+"""Interception: a TorchDispatchMode that hands every aten op to a runtime.
+
+A dispatch mode sits below autograd, so it sees forward ops after decomposition, every backward
+op and the optimizer's ``_foreach_*`` ops (a ``__torch_function__`` mode would miss backward).
+The mode stack is thread-local, and the autograd engine carries it into its worker threads, so
+the backward of a graph built under this mode reaches the same runtime.
+"""
+from __future__ import annotations
+
+from torch.compiler import is_compiling
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class AdaptiveMode(TorchDispatchMode):
+    def __init__(self, runtime) -> None:
+        super().__init__()
+        self.runtime = runtime
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode would wrap __torch_dispatch__ in torch._dynamo.disable: ~5 us per
+        # op, and a 2 s import of torch._dynamo on the first op. We guard Dynamo ourselves.
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if is_compiling():         # Dynamo/AOT tracing runs user-compiled code: stay out
+            return func(*args, **(kwargs or {}))
+        return self.runtime.on_op(func, args, kwargs or {})

@@ -1,0 +1,129 @@
+"""What kind of aten op is this? Decided once per OpOverload, from its schema and tags.
+
+The runtime treats four kinds differently:
+  FUSIBLE   functional op with tensor outputs: deferred on the hot path, fused by the compiler.
+  VIEW      output aliases an input (``func.is_view``): always run eagerly, it only makes metadata.
+  MUTATING  writes one of its arguments (``alias_info.is_write``): deferred like FUSIBLE, but what
+            it returns is the written argument itself.
+  BOUNDARY  cannot be deferred or fused: the segment ends before it and it runs eagerly.
+Every BOUNDARY carries a ``Reason`` that the stats count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+
+class OpKind(enum.Enum):
+    FUSIBLE = "fusible"
+    VIEW = "view"
+    MUTATING = "mutating"
+    BOUNDARY = "boundary"
+
+
+class Reason(str, enum.Enum):
+    """Why an op ends a segment (or a segment is not fused). Values are the names stats use."""
+
+    HOST_SYNC = "host_sync"                    # reads a value back to Python (.item(), ==)
+    DYNAMIC_SHAPE = "dynamic_output_shape"     # output shape depends on data (nonzero, unique)
+    RANDOM = "random"                          # consumes the generator: kept eager, same stream
+    COLLECTIVE = "collective"                  # torch.distributed communication
+    CROSS_DEVICE = "cross_device"              # moves data between devices
+    NON_TENSOR_OUTPUT = "non_tensor_output"    # returns something other than tensors
+    METADATA_MUTATION = "metadata_mutation"    # resize_, set_, t_: changes a tensor's shape
+    UNKNOWN_OP = "unknown_op"                  # not an aten op we can reason about
+    UNSUPPORTED_TENSOR = "unsupported_tensor"  # sparse, quantized, subclass, meta, ...
+    UNKEYABLE_ARGUMENT = "unkeyable_argument"  # an argument we cannot put in a key (SymInt, ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpClass:
+    kind: OpKind
+    reason: Reason | None = None
+    # For MUTATING ops: per schema return, the (position, name) of the argument it returns.
+    returned_args: tuple[tuple[int, str], ...] = ()
+
+
+# Ops that read device data back to the host; most carry no tag saying so.
+_HOST_SYNC_OPS = frozenset({
+    "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal",
+    "aten::allclose", "aten::_assert_async", "aten::_assert_async.msg",
+})
+_METADATA_MUTATIONS = frozenset({
+    "aten::resize_", "aten::resize_as_", "aten::set_", "aten::as_strided_", "aten::_resize_output_",
+})
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
+                                    "_c10d_functional_autograd", "_dtensor"})
+
+
+def _returns_only_tensors(schema: torch.FunctionSchema) -> bool:
+    for ret in schema.returns:
+        kind = ret.type.kind()
+        if kind == "TensorType":
+            continue
+        if kind == "ListType" and ret.type.getElementType().kind() == "TensorType":
+            continue
+        if kind == "OptionalType" and ret.type.getElementType().kind() == "TensorType":
+            continue
+        return False
+    return True
+
+
+def _returned_args(schema: torch.FunctionSchema) -> tuple[tuple[int, str], ...]:
+    """Map each return of a mutating op to the written argument it aliases."""
+    result = []
+    for ret in schema.returns:
+        alias = ret.alias_info
+        if alias is None:
+            return ()
+        for position, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set:
+                result.append((position, arg.name))
+                break
+        else:
+            return ()
+    return tuple(result)
+
+
+def _classify(func: torch._ops.OpOverload) -> OpClass:
+    schema = func._schema
+    name = schema.name
+    namespace = func.namespace
+    tags = set(func.tags)
+    if namespace in _COLLECTIVE_NAMESPACES:
+        return OpClass(OpKind.BOUNDARY, Reason.COLLECTIVE)
+    if namespace != "aten":
+        return OpClass(OpKind.BOUNDARY, Reason.UNKNOWN_OP)
+    if name in _HOST_SYNC_OPS or name + "." + schema.overload_name in _HOST_SYNC_OPS:
+        return OpClass(OpKind.BOUNDARY, Reason.HOST_SYNC)
+    if torch.Tag.nondeterministic_seeded in tags:
+        return OpClass(OpKind.BOUNDARY, Reason.RANDOM)
+    if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
+        return OpClass(OpKind.BOUNDARY, Reason.DYNAMIC_SHAPE)
+    if name in _METADATA_MUTATIONS or torch.Tag.inplace_view in tags:
+        return OpClass(OpKind.BOUNDARY, Reason.METADATA_MUTATION)
+    if not _returns_only_tensors(schema):
+        return OpClass(OpKind.BOUNDARY, Reason.NON_TENSOR_OUTPUT)
+    if any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments):
+        returned = _returned_args(schema)
+        if schema.returns and not returned:
+            return OpClass(OpKind.BOUNDARY, Reason.UNKNOWN_OP)  # returns fresh and mutates
+        return OpClass(OpKind.MUTATING, returned_args=returned)
+    if func.is_view:
+        return OpClass(OpKind.VIEW)
+    if any(ret.alias_info is not None for ret in schema.returns):
+        return OpClass(OpKind.BOUNDARY, Reason.UNKNOWN_OP)  # aliases without being a view
+    return OpClass(OpKind.FUSIBLE)
+
+
+_CLASS_CACHE: dict = {}
+
+
+def classify(func: torch._ops.OpOverload) -> OpClass:
+    """The OpClass of an op overload (memoized: classification reads the schema once)."""
+    try:
+        return _CLASS_CACHE[func]
+    except KeyError:
+        return _CLASS_CACHE.setdefault(func, _classify(func))

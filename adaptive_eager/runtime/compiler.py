@@ -1,0 +1,94 @@
+"""Turning a Segment into a fused kernel, behind one small interface.
+
+A compiler takes the FX graph of a segment (see runtime.graph) and example inputs, and returns a
+callable with the same calling convention. ``InductorCompiler`` is the real one;
+``CountingCompiler`` is the stand-in unit tests use: it "compiles" by returning the graph module
+itself (which runs the aten ops one by one), so tests exercise recording, graph building, buffer
+writing and replay in milliseconds, and count what would have been compiled.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Iterator, Protocol
+
+import torch
+import torch.fx as fx
+
+from adaptive_eager.runtime.graph import build_graph
+from adaptive_eager.runtime.segment import Segment
+
+FusedKernel = Callable[..., object]
+
+
+class Compiler(Protocol):
+    name: str
+
+    def compile(self, graph: fx.GraphModule, example_inputs: list[torch.Tensor]) -> FusedKernel:
+        ...
+
+
+class InductorCompiler:
+    """TorchInductor's standalone_compile on the raw aten graph (functionalizes in-place ops)."""
+
+    name = "inductor"
+
+    def compile(self, graph: fx.GraphModule, example_inputs: list[torch.Tensor]) -> FusedKernel:
+        from torch._inductor import standalone_compile
+        return standalone_compile(graph, example_inputs, dynamic_shapes="from_example_inputs")
+
+
+class CountingCompiler:
+    """Test stand-in: returns the graph module unchanged and remembers every graph it got."""
+
+    name = "counting"
+
+    def __init__(self, fail_with: type[Exception] | None = None) -> None:
+        self.graphs: list[fx.GraphModule] = []
+        self.fail_with = fail_with
+
+    @property
+    def count(self) -> int:
+        return len(self.graphs)
+
+    def compile(self, graph: fx.GraphModule, example_inputs: list[torch.Tensor]) -> FusedKernel:
+        self.graphs.append(graph)
+        if self.fail_with is not None:
+            raise self.fail_with("compile failure requested by the test")
+        return graph
+
+
+_compiler_lock = threading.Lock()
+_active: Compiler | None = None
+
+
+def current_compiler() -> Compiler:
+    global _active
+    with _compiler_lock:
+        if _active is None:
+            _active = InductorCompiler()
+        return _active
+
+
+@contextlib.contextmanager
+def use_compiler(compiler: Compiler) -> Iterator[Compiler]:
+    """Compile with ``compiler`` inside the block (tests use the CountingCompiler)."""
+    global _active
+    with _compiler_lock:
+        saved, _active = _active, compiler
+    try:
+        yield compiler
+    finally:
+        with _compiler_lock:
+            _active = saved
+
+
+def compile_segment(segment: Segment, compiler: Compiler) -> tuple[FusedKernel, float]:
+    """Compile ``segment`` for its live set; returns (kernel, seconds spent)."""
+    started = time.perf_counter()
+    graph = build_graph(segment, segment.live_refs)
+    example_inputs = [meta.empty() for meta in segment.input_metas]
+    example_inputs += [segment.out_meta(ref).empty() for ref in segment.live_refs]
+    kernel = compiler.compile(graph, example_inputs)
+    return kernel, time.perf_counter() - started

@@ -1,0 +1,242 @@
+"""The executor: every intercepted op comes here and leaves eager, deferred or fused.
+
+Cold path: the op runs eagerly and is recorded into the current segment.
+Hot path:  at a segment start, an op whose signature begins a compiled segment is *deferred*:
+           it returns real, empty plain tensors (views run eagerly on them), and each next op
+           must match the next trie node. When the segment ends (a boundary, a non-matching op,
+           a read that bypasses the dispatcher, sync, mode exit) the fused kernel runs and writes
+           the live outputs into the tensors the user already holds.
+Divergence: a deferred run that cannot finish fused is replayed per-op into the same tensors
+           (runtime.graph.run_eagerly), counted, and recording goes on from there.
+
+One ``Runtime`` exists per ``enable()``; the key table and the trie of compiled kernels are
+shared by all of them (``shared_state()``).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Iterator
+
+import torch
+
+from adaptive_eager.config import config
+from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
+from adaptive_eager.dispatch.signature import Unkeyable, key_context
+from adaptive_eager.runtime.buffers import BufferPool
+from adaptive_eager.runtime.graph import run_eagerly
+from adaptive_eager.runtime.policy import KeyTable
+from adaptive_eager.runtime.segment import SegmentBuilder, flatten_outputs, unflatten_outputs
+from adaptive_eager.runtime.stats import counters
+from adaptive_eager.runtime.trie import KernelTrie, TrieNode
+
+_shared_lock = threading.Lock()
+_shared_table: KeyTable | None = None
+_live_runtimes: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+
+
+def shared_table() -> KeyTable:
+    """The process-wide key table (and, through it, the trie of compiled kernels)."""
+    global _shared_table
+    with _shared_lock:
+        if _shared_table is None:
+            _shared_table = KeyTable(KernelTrie())
+        return _shared_table
+
+
+def live_runtimes() -> list["Runtime"]:
+    return list(_live_runtimes)
+
+
+@contextlib.contextmanager
+def below_autograd() -> Iterator[None]:
+    """The state ops see inside the dispatch mode: below autograd, no autocast.
+
+    Deferred work flushed from outside the mode (sync, numpy(), ...) must run here: filling
+    buffers with autograd active raises version-counter errors, and recorded ops already carry
+    autocast's casts, so autocast must not apply them twice."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes(), torch._C._AutoDispatchBelowADInplaceOrView(), _no_autocast():
+        yield
+
+
+def _no_autocast():
+    """Recorded ops already carry autocast's casts: kernels and replays must not add more."""
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        return torch.autocast("cpu", enabled=False) if not torch.is_autocast_enabled("cuda") \
+            else _both_autocasts_off()
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _both_autocasts_off():
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
+
+
+class Runtime:
+    def __init__(self, table: KeyTable | None = None) -> None:
+        self.table = table or shared_table()
+        self._lock = threading.RLock()
+        self._builder: SegmentBuilder | None = None
+        self._hot: TrieNode | None = None      # set while deferring along a compiled segment
+        self._busy_thread: int | None = None
+        self._max_ops = config.MAX_SEGMENT_OPS
+        self.pool = BufferPool(config.BUFFER_POOL_MB << 20)
+        # Per-op counts stay local (no lock per op) and are published at segment ends.
+        self._ops_seen = 0
+        self._per_op = 0
+        _live_runtimes.add(self)
+
+    # ---------------------------------------------------------------- entry points
+
+    def on_op(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """Called by the dispatch mode for every aten op (mode already disabled)."""
+        with self._lock:
+            self._ops_seen += 1
+            self._busy_thread = threading.get_ident()
+            try:
+                return self._dispatch(func, classify(func), args, kwargs)
+            finally:
+                self._busy_thread = None
+
+    def publish_counts(self) -> None:
+        """Move this runtime's local op counts into the shared counters."""
+        with self._lock:
+            ops_seen, self._ops_seen = self._ops_seen, 0
+            per_op, self._per_op = self._per_op, 0
+        counters.add("ops_seen", ops_seen)
+        counters.add("per_op_executions", per_op)
+
+    def has_deferred(self) -> bool:
+        return self._hot is not None
+
+    def flush(self, end_segment: bool = True) -> None:
+        """Run deferred work now; with ``end_segment`` also close the segment being recorded.
+
+        Safe to call from anywhere outside the mode; a no-op while this thread is inside it."""
+        if self._busy_thread == threading.get_ident():
+            return
+        if self._hot is None and not (end_segment and self._builder):
+            return
+        with self._lock, below_autograd():
+            self._busy_thread = threading.get_ident()
+            try:
+                self._end_segment()
+            finally:
+                self._busy_thread = None
+
+    def close(self) -> None:
+        self.flush()
+        self.publish_counts()
+        self.pool.clear()
+        _live_runtimes.discard(self)
+
+    # ---------------------------------------------------------------- dispatch
+
+    def _dispatch(self, func, op_class: OpClass, args: tuple, kwargs: dict) -> Any:
+        if op_class.kind is OpKind.BOUNDARY:
+            return self._run_boundary(func, args, kwargs, op_class.reason)
+        builder = self._current_builder()
+        try:
+            encoded_args, encoded_kwargs = builder.encode(args, kwargs)
+        except Unkeyable as err:
+            return self._run_boundary(func, args, kwargs, err.reason)
+        signature = (func, encoded_args, encoded_kwargs)
+        if self._hot is not None:
+            child = self._hot.children.get(signature)
+            if child is not None:
+                return self._defer(child, func, op_class, args, kwargs, signature)
+            if self._end_hot():        # ran fused: this op opens a new segment
+                return self._dispatch(func, op_class, args, kwargs)
+        elif builder.ops and builder.ops[0].signature == signature:
+            # Note [Loop iterations]: the op that opened this segment comes again, so a loop
+            # body has wrapped around. Cutting here aligns segments with iterations; without
+            # it, boundary-free loops form MAX_SEGMENT_OPS-long segments whose phase drifts.
+            self._end_segment()
+            return self._dispatch(func, op_class, args, kwargs)
+        elif len(builder) == 0:
+            root = self.table.trie.root(builder.context)
+            child = root.children.get(signature) if root is not None else None
+            if child is not None:
+                return self._defer(child, func, op_class, args, kwargs, signature)
+        return self._run_cold(func, op_class, args, kwargs, signature)
+
+    def _current_builder(self) -> SegmentBuilder:
+        builder = self._builder
+        if builder is not None and len(builder) >= self._max_ops:
+            self._end_segment()
+            builder = None
+        if builder is None:
+            builder = self._builder = SegmentBuilder(key_context())
+        return builder
+
+    def _run_boundary(self, func, args: tuple, kwargs: dict, reason: Reason) -> Any:
+        self._end_segment()
+        counters.fallback(getattr(reason, "value", reason))
+        self._per_op += 1
+        return func(*args, **kwargs)
+
+    def _run_cold(self, func, op_class: OpClass, args, kwargs, signature) -> Any:
+        out = func(*args, **kwargs)
+        self._per_op += 1
+        self._builder.add(func, op_class, signature[1], signature[2], out)
+        return out
+
+    def _defer(self, node: TrieNode, func, op_class: OpClass, args, kwargs, signature) -> Any:
+        record = node.record
+        if op_class.kind is OpKind.VIEW:            # metadata only: safe on unfilled buffers
+            out = func(*args, **kwargs)
+        elif op_class.kind is OpKind.FUSIBLE:
+            out = unflatten_outputs(record.container, [
+                None if meta is None else self.pool.empty(meta) for meta in record.out_metas])
+        else:                                       # MUTATING: returns what it writes
+            out = unflatten_outputs(record.container, [
+                args[pos] if pos < len(args) else kwargs[name]
+                for pos, name in op_class.returned_args])
+        self._builder.append(record, flatten_outputs(out)[1])
+        self._hot = node
+        return out
+
+    # ---------------------------------------------------------------- segment ends
+
+    def _end_segment(self) -> None:
+        if self._hot is not None and self._end_hot():
+            return
+        builder, self._builder = self._builder, None
+        if builder:
+            self.table.observe(builder.finish(builder.live_refs()))
+
+    def _end_hot(self) -> bool:
+        """Finish a deferred run: fused if a kernel fits, else replayed per-op.
+
+        Returns True when the segment is over (it ran fused); False when it was replayed and
+        the builder goes on recording it as a cold segment."""
+        node, self._hot = self._hot, None
+        builder = self._builder
+        live = builder.live_refs()
+        variant = node.variant_for(live)
+        if variant is not None:
+            segment = variant.segment
+            buffers = [builder.live_tensor(ref) for ref in segment.live_refs]
+            buffers = [self.pool.empty(segment.out_meta(ref)) if t is None else t
+                       for ref, t in zip(segment.live_refs, buffers)]
+            try:
+                with _no_autocast():
+                    variant.kernel(*builder.inputs, *buffers)
+            except Exception as err:  # a kernel that fails at run time is dropped, not fatal
+                self.table.kernel_failed(variant, err)
+            else:
+                counters.add("fused_executions")
+                counters.add("fused_ops", len(builder))
+                variant.entry.fused_runs += 1
+                self._builder = None
+                return True
+        else:
+            counters.add("divergences")
+            counters.fallback("divergence")
+        targets = [(ref, builder.live_tensor(ref)) for ref in live]
+        run_eagerly(builder.ops, builder.inputs, [(r, t) for r, t in targets if t is not None])
+        self._per_op += len(builder)
+        return False

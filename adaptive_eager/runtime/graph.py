@@ -1,0 +1,75 @@
+"""A recorded Segment as a runnable program: an FX graph for the compiler, or an eager replay.
+
+Both take the same calling convention, ``(*external_inputs, *output_buffers)``: the graph ends
+by copying each live output into its buffer (``aten.copy_(buffer, value)``), which Inductor turns
+into the kernel writing straight into the caller's memory, with no temporary.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+from adaptive_eager.dispatch.ops import OpKind
+from adaptive_eager.dispatch.signature import Ref, TensorArg, decode
+from adaptive_eager.runtime.segment import SINGLE, VOID, OpRecord, Segment, flatten_outputs
+
+aten = torch.ops.aten
+
+
+def build_graph(segment: Segment, live_refs: tuple[Ref, ...]) -> fx.GraphModule:
+    """FX graph computing ``segment`` and writing ``live_refs`` into trailing buffer inputs."""
+    graph = fx.Graph()
+    inputs = [graph.placeholder(f"in_{k}") for k in range(len(segment.input_metas))]
+    buffers = [graph.placeholder(f"out_{k}") for k in range(len(live_refs))]
+    values: dict[Ref, fx.Node] = {}
+
+    def node_of(arg: TensorArg) -> fx.Node:
+        return inputs[arg.ref[1]] if arg.ref[0] == "in" else values[arg.ref]
+
+    for index, op in enumerate(segment.ops):
+        args, kwargs = _decode_call(op, node_of)
+        node = graph.call_function(op.func, tuple(args), kwargs)
+        if op.kind is OpKind.MUTATING or op.container == VOID:
+            continue                      # it returns tensors that already have a name
+        if op.container == SINGLE:
+            values[("out", index, 0)] = node
+        else:
+            for out_index, meta in enumerate(op.out_metas):
+                if meta is not None:
+                    values[("out", index, out_index)] = graph.call_function(
+                        operator.getitem, (node, out_index))
+    for buffer, ref in zip(buffers, live_refs):
+        graph.call_function(aten.copy_.default, (buffer, values[ref]))
+    graph.output(())
+    graph.eliminate_dead_code()
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def run_eagerly(ops: Iterable[OpRecord], inputs: list, targets: list[tuple[Ref, torch.Tensor]]) -> None:
+    """Execute recorded ops per-op and copy the values of ``targets`` refs into their tensors.
+
+    Used when a deferred segment cannot run fused (divergence, kernel failure): the results are
+    exactly what eager would have computed, written into the buffers the user already holds."""
+    values: dict[Ref, torch.Tensor] = {}
+
+    def tensor_of(arg: TensorArg) -> torch.Tensor:
+        return inputs[arg.ref[1]] if arg.ref[0] == "in" else values[arg.ref]
+
+    for index, op in enumerate(ops):
+        args, kwargs = _decode_call(op, tensor_of)
+        out = op.func(*args, **kwargs)
+        if op.kind is OpKind.MUTATING:
+            continue
+        for out_index, tensor in enumerate(flatten_outputs(out)[1]):
+            values[("out", index, out_index)] = tensor
+    for ref, target in targets:
+        target.copy_(values[ref])
+
+
+def _decode_call(op: OpRecord, tensor_of) -> tuple[list, dict]:
+    args = [decode(arg, tensor_of) for arg in op.args]
+    kwargs = {name: decode(value, tensor_of) for name, value in op.kwargs}
+    return args, kwargs

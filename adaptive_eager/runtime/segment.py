@@ -1,0 +1,189 @@
+"""The Segment record and the builder that records one.
+
+A segment is a short run of aten ops between boundaries. While it is recorded (cold path) or
+matched against a compiled one (hot path), a ``SegmentBuilder`` gives every tensor a ``Ref``
+(see dispatch.signature), so a recorded op says "add(in0, out(2,0))" rather than holding tensors.
+The finished, frozen ``Segment`` is what flows on: key → policy → compile → replay.
+
+# Note [Liveness]
+Outputs are held only through weakrefs. When the segment ends, an output whose weakref is still
+alive is *live*: the user (or autograd, which saved it) can still read it, so a fused kernel must
+write it. Dead intermediates need no buffer. A view is live through its own weakref; only views
+of intermediates need writing (views of external inputs see the input itself). The key of a
+segment includes its live set, so a kernel is only replayed where it writes everything live.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+
+from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason
+from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkeyable, encode_call,
+                                               is_cpu_scalar, is_plain_tensor, tensor_arg,
+                                               tensor_args)
+
+SINGLE, TUPLE, LIST, VOID = "single", "tuple", "list", "void"
+
+
+def flatten_outputs(out: Any) -> tuple[str, tuple]:
+    """(container kind, flat outputs) of what an op returned."""
+    if out is None:
+        return VOID, ()
+    if isinstance(out, torch.Tensor):
+        return SINGLE, (out,)
+    return (TUPLE if isinstance(out, tuple) else LIST), tuple(out)
+
+
+def unflatten_outputs(container: str, flat: list) -> Any:
+    if container == VOID:
+        return None
+    if container == SINGLE:
+        return flat[0]
+    return tuple(flat) if container == TUPLE else list(flat)
+
+
+class OpRecord(NamedTuple):
+    """One recorded op call. ``signature`` (func, args, kwargs) is what the hot path matches."""
+    func: torch._ops.OpOverload
+    op_class: OpClass
+    args: tuple                     # encoded (dispatch.signature.encode)
+    kwargs: tuple                   # encoded, as (name, value) pairs
+    container: str                  # SINGLE / TUPLE / LIST / VOID
+    out_metas: tuple                # TensorMeta (or None) per flat output
+    signature: tuple
+
+    @property
+    def kind(self) -> OpKind:
+        return self.op_class.kind
+
+    def describe(self) -> str:
+        shapes = [list(arg.shape) for arg in tensor_args(self.args)]
+        return f"{self.func}{shapes}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A finished segment: ops, external inputs, the outputs live at its end, and its key."""
+    ops: tuple[OpRecord, ...]
+    input_metas: tuple[TensorMeta, ...]
+    live_refs: tuple[Ref, ...]
+    context: tuple
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        return (self.context, tuple(op.signature for op in self.ops), self.live_refs)
+
+    @property
+    def compute_ops(self) -> int:
+        """Ops that do arithmetic (not views): what fusion can save."""
+        return sum(op.kind is not OpKind.VIEW for op in self.ops)
+
+    def out_meta(self, ref: Ref) -> TensorMeta:
+        _, op_index, out_index = ref
+        return self.ops[op_index].out_metas[out_index]
+
+    def describe(self) -> str:
+        return " → ".join(str(op.func).replace("aten.", "") for op in self.ops)
+
+
+class SegmentBuilder:
+    """Records a segment op by op; knows each tensor's Ref and which outputs are still alive."""
+
+    def __init__(self, context: tuple) -> None:
+        self.context = context
+        self.ops: list[OpRecord] = []
+        self.inputs: list[torch.Tensor] = []           # strong: fused kernels read them at the end
+        self._known: dict[int, tuple[weakref.ref, Ref]] = {}
+        self._outputs: dict[Ref, weakref.ref] = {}     # outputs a kernel may have to write
+        self._view_roots: dict[Ref, Ref] = {}
+        self.device: torch.device | None = None       # every tensor of a segment lives here
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def ref_of(self, tensor: torch.Tensor) -> Ref:
+        entry = self._known.get(id(tensor))
+        if entry is not None and entry[0]() is tensor:
+            return entry[1]
+        ref = ("in", len(self.inputs))
+        self.inputs.append(tensor)
+        self._known[id(tensor)] = (weakref.ref(tensor), ref)
+        return ref
+
+    def encode(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+        """Encode an op's arguments; on failure, forget inputs this call registered.
+
+        Raises Unkeyable for arguments no key can hold, and for ops that leave the segment's
+        device (cross-device copies are boundaries)."""
+        registered = len(self.inputs)
+        try:
+            encoded = encode_call(args, kwargs, self._tensor_arg)
+            device = kwargs.get("device")
+            if device is not None and torch.device(device) != self.device:
+                self._enter_device(torch.device(device))
+            return encoded
+        except Unkeyable:
+            for tensor in self.inputs[registered:]:
+                self._known.pop(id(tensor), None)
+            del self.inputs[registered:]
+            raise
+
+    def _tensor_arg(self, tensor: torch.Tensor) -> TensorArg:
+        arg = tensor_arg(tensor, self.ref_of(tensor))
+        if arg.device != self.device and not is_cpu_scalar(arg):
+            self._enter_device(arg.device)
+        return arg
+
+    def _enter_device(self, device: torch.device) -> None:
+        if self.device is not None:
+            raise Unkeyable(Reason.CROSS_DEVICE, f"op leaves {self.device} for {device}")
+        self.device = device
+
+    def add(self, func, op_class: OpClass, args: tuple, kwargs: tuple, out: Any) -> OpRecord:
+        """Record an op that ran eagerly and returned ``out``."""
+        container, flat = flatten_outputs(out)
+        metas = tuple(TensorMeta.of(t) if is_plain_tensor(t) else None for t in flat)
+        record = OpRecord(func, op_class, args, kwargs, container, metas, (func, args, kwargs))
+        self.append(record, flat)
+        return record
+
+    def append(self, record: OpRecord, flat_outputs: tuple) -> None:
+        """Record ``record`` (hot path: the trie's own record) with its actual outputs."""
+        index = len(self.ops)
+        self.ops.append(record)
+        if record.op_class.kind is not OpKind.MUTATING:   # it returns tensors we know
+            self._register_outputs(index, record, flat_outputs)
+
+    def _register_outputs(self, index: int, record: OpRecord, flat: tuple) -> None:
+        base_root = None
+        if record.op_class.kind is OpKind.VIEW:
+            base = next(tensor_args(record.args[:1])).ref   # aten views view their first arg
+            base_root = self._view_roots.get(base, base)
+        for out_index, tensor in enumerate(flat):
+            if tensor is None:
+                continue
+            ref = ("out", index, out_index)
+            wref = weakref.ref(tensor)
+            self._known[id(tensor)] = (wref, ref)
+            if base_root is None:
+                self._outputs[ref] = wref
+            else:
+                self._view_roots[ref] = base_root
+                if base_root[0] == "out":              # views of inputs never need writing
+                    self._outputs[ref] = wref
+
+    def live_refs(self) -> tuple[Ref, ...]:
+        """Outputs still referenced now (see Note [Liveness])."""
+        return tuple(ref for ref, wref in self._outputs.items() if wref() is not None)
+
+    def live_tensor(self, ref: Ref) -> torch.Tensor | None:
+        wref = self._outputs.get(ref)
+        return None if wref is None else wref()
+
+    def finish(self, live_refs: tuple[Ref, ...]) -> Segment:
+        metas = tuple(TensorMeta.of(t) for t in self.inputs)
+        return Segment(tuple(self.ops), metas, live_refs, self.context)

@@ -1,0 +1,64 @@
+"""Counters of the runtime, and the frozen record ``ae.stats()`` returns."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import types
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """A snapshot of the runtime's counters (process-wide, all threads)."""
+
+    ops_seen: int = 0
+    segments_recorded: int = 0
+    keys_seen: int = 0
+    hot_keys: int = 0
+    compiles: int = 0
+    compile_failures: int = 0
+    compile_seconds: float = 0.0
+    fused_executions: int = 0
+    fused_ops: int = 0
+    per_op_executions: int = 0
+    divergences: int = 0
+    fallbacks: types.MappingProxyType = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({}))
+
+    def as_dict(self) -> dict:
+        result = dataclasses.asdict(self)
+        result["fallbacks"] = dict(self.fallbacks)
+        return result
+
+
+class Counters:
+    """The mutable side: incremented by the runtime under one lock, frozen by ``snapshot``."""
+
+    _FIELDS = tuple(f.name for f in dataclasses.fields(Stats) if f.name != "fallbacks")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._values = dict.fromkeys(self._FIELDS, 0)
+            self._values["compile_seconds"] = 0.0
+            self._fallbacks: collections.Counter[str] = collections.Counter()
+
+    def add(self, name: str, amount: float = 1) -> None:
+        with self._lock:
+            self._values[name] += amount
+
+    def fallback(self, reason: str, amount: int = 1) -> None:
+        """Count ops that ran per-op (or segments not fused) for a named reason."""
+        with self._lock:
+            self._fallbacks[reason] += amount
+
+    def snapshot(self) -> Stats:
+        with self._lock:
+            return Stats(**self._values,
+                         fallbacks=types.MappingProxyType(dict(self._fallbacks)))
+
+
+counters = Counters()

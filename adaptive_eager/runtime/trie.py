@@ -1,0 +1,81 @@
+"""The index the hot path walks: compiled segments as a trie of op signatures.
+
+Incoming ops are matched one at a time against the children of the current node (a dict
+lookup per op). A node that ends a compiled segment holds its ``Variant``s, one per live set
+(see Note [Liveness] in runtime.segment).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+from adaptive_eager.runtime.segment import OpRecord, Segment
+
+
+@dataclasses.dataclass(eq=False)
+class Variant:
+    segment: Segment
+    kernel: Callable
+    entry: Any                      # the policy's KeyEntry, for counting fused runs
+    live_set: frozenset = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.live_set = frozenset(self.segment.live_refs)
+
+
+class TrieNode:
+    __slots__ = ("record", "depth", "children", "variants")
+
+    def __init__(self, record: OpRecord | None, depth: int) -> None:
+        self.record = record        # the op that leads here (its output metas feed the hot path)
+        self.depth = depth
+        self.children: dict[tuple, TrieNode] = {}
+        self.variants: dict[tuple, Variant] = {}
+
+    def variant_for(self, live_refs: tuple) -> Variant | None:
+        """A kernel that writes at least every live output: the exact live set first."""
+        exact = self.variants.get(live_refs)
+        if exact is not None or not self.variants:
+            return exact
+        live = set(live_refs)
+        for variant in self.variants.values():
+            if live <= variant.live_set:
+                return variant
+        return None
+
+
+class KernelTrie:
+    def __init__(self) -> None:
+        self._roots: dict[tuple, TrieNode] = {}
+        self._lock = threading.Lock()
+
+    def root(self, context: tuple) -> TrieNode | None:
+        return self._roots.get(context)
+
+    def insert(self, segment: Segment, kernel: Callable, entry: Any) -> Variant:
+        variant = Variant(segment, kernel, entry)
+        with self._lock:
+            node = self._roots.setdefault(segment.context, TrieNode(None, 0))
+            for op in segment.ops:
+                child = node.children.get(op.signature)
+                if child is None:
+                    child = node.children[op.signature] = TrieNode(op, node.depth + 1)
+                node = child
+            node.variants[segment.live_refs] = variant
+        return variant
+
+    def remove(self, variant: Variant) -> None:
+        """Stop replaying ``variant`` (its kernel failed at run time)."""
+        with self._lock:
+            node = self._roots.get(variant.segment.context)
+            for op in variant.segment.ops:
+                if node is None:
+                    return
+                node = node.children.get(op.signature)
+            if node is not None:
+                node.variants.pop(variant.segment.live_refs, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._roots.clear()
