@@ -6,6 +6,7 @@ The runtime treats four kinds differently:
   MUTATING  writes one of its arguments (``alias_info.is_write``): deferred like FUSIBLE, but what
             it returns is the written argument itself.
   BOUNDARY  cannot be deferred or fused: the segment ends before it and it runs eagerly.
+
 Every BOUNDARY carries a ``Reason`` that the stats count.
 """
 from __future__ import annotations
@@ -34,6 +35,9 @@ class Reason(str, enum.Enum):
     NON_TENSOR_OUTPUT = "non_tensor_output"    # returns something other than tensors
     METADATA_MUTATION = "metadata_mutation"    # resize_, set_, t_: changes a tensor's shape
     UNKNOWN_OP = "unknown_op"                  # not an aten op we can reason about
+    # record_function ranges (e.g. "Optimizer.step"): no data, but they mark program structure,
+    # and cutting there keeps segments aligned with it.
+    PROFILER_RANGE = "profiler_range"
     UNSUPPORTED_TENSOR = "unsupported_tensor"  # sparse, quantized, subclass, meta, ...
     UNKEYABLE_ARGUMENT = "unkeyable_argument"  # an argument we cannot put in a key (SymInt, ...)
 
@@ -44,6 +48,9 @@ class OpClass:
     reason: Reason | None = None
     # For MUTATING ops: per schema return, the (position, name) of the argument it returns.
     returned_args: tuple[tuple[int, str], ...] = ()
+    # For MUTATING ops: written Tensor[] arguments. Under any dispatch mode, foreach in-place
+    # ops do not bump their tensors' version counters as eager does; the runtime bumps these.
+    written_lists: tuple[tuple[int, str], ...] = ()
 
 
 # Ops that read device data back to the host; most carry no tag saying so.
@@ -87,6 +94,12 @@ def _returned_args(schema: torch.FunctionSchema) -> tuple[tuple[int, str], ...]:
     return tuple(result)
 
 
+def _written_lists(schema: torch.FunctionSchema) -> tuple[tuple[int, str], ...]:
+    return tuple((position, arg.name) for position, arg in enumerate(schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write
+                 and arg.type.kind() == "ListType")
+
+
 def _classify(func: torch._ops.OpOverload) -> OpClass:
     schema = func._schema
     name = schema.name
@@ -94,6 +107,8 @@ def _classify(func: torch._ops.OpOverload) -> OpClass:
     tags = set(func.tags)
     if namespace in _COLLECTIVE_NAMESPACES:
         return OpClass(OpKind.BOUNDARY, Reason.COLLECTIVE)
+    if namespace == "profiler":
+        return OpClass(OpKind.BOUNDARY, Reason.PROFILER_RANGE)
     if namespace != "aten":
         return OpClass(OpKind.BOUNDARY, Reason.UNKNOWN_OP)
     if name in _HOST_SYNC_OPS or name + "." + schema.overload_name in _HOST_SYNC_OPS:
@@ -110,7 +125,8 @@ def _classify(func: torch._ops.OpOverload) -> OpClass:
         returned = _returned_args(schema)
         if schema.returns and not returned:
             return OpClass(OpKind.BOUNDARY, Reason.UNKNOWN_OP)  # returns fresh and mutates
-        return OpClass(OpKind.MUTATING, returned_args=returned)
+        return OpClass(OpKind.MUTATING, returned_args=returned,
+                       written_lists=_written_lists(schema))
     if func.is_view:
         return OpClass(OpKind.VIEW)
     if any(ret.alias_info is not None for ret in schema.returns):

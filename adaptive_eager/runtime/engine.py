@@ -75,6 +75,18 @@ def _both_autocasts_off():
         yield
 
 
+def _argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
+    return args[position] if position < len(args) else kwargs[name]
+
+
+def _bump_versions(op_class: OpClass, args: tuple, kwargs: dict) -> None:
+    """Bump version counters as eager does for foreach in-place ops (see OpClass)."""
+    for position, name in op_class.written_lists:
+        tensors = [t for t in _argument(args, kwargs, position, name) if not t.is_inference()]
+        if tensors:
+            torch.autograd.graph.increment_version(tensors)
+
+
 class Runtime:
     def __init__(self, table: KeyTable | None = None) -> None:
         self.table = table or shared_table()
@@ -180,6 +192,8 @@ class Runtime:
 
     def _run_cold(self, func, op_class: OpClass, args, kwargs, signature) -> Any:
         out = func(*args, **kwargs)
+        if op_class.written_lists:
+            _bump_versions(op_class, args, kwargs)
         self._per_op += 1
         self._builder.add(func, op_class, signature[1], signature[2], out)
         return out
@@ -193,8 +207,10 @@ class Runtime:
                 None if meta is None else self.pool.empty(meta) for meta in record.out_metas])
         else:                                       # MUTATING: returns what it writes
             out = unflatten_outputs(record.container, [
-                args[pos] if pos < len(args) else kwargs[name]
-                for pos, name in op_class.returned_args])
+                _argument(args, kwargs, position, name)
+                for position, name in op_class.returned_args])
+            if op_class.written_lists:
+                _bump_versions(op_class, args, kwargs)
         self._builder.append(record, flatten_outputs(out)[1])
         self._hot = node
         return out

@@ -1,0 +1,57 @@
+"""Shared fixtures: every test starts with an empty runtime and the counting stand-in compiler.
+
+Tests marked ``inductor`` get the real compiler instead. Each test session compiles into its own
+Inductor cache directory, so no run depends on what an earlier one left behind.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))   # tests/helpers.py, from every test folder
+
+# Before torch is imported anywhere: a private Inductor cache and no slow ISA probing.
+_SESSION_DIR = tempfile.mkdtemp(prefix="adaptive-eager-tests-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_SESSION_DIR, "inductor")
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+os.environ["NEURON_ADAPTIVE_EAGER_CACHE_DIR"] = os.path.join(_SESSION_DIR, "cache")
+for _name in list(os.environ):   # the developer's own settings must not change test results
+    if _name.startswith("NEURON_ADAPTIVE_EAGER") and _name != "NEURON_ADAPTIVE_EAGER_CACHE_DIR":
+        del os.environ[_name]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import adaptive_eager as ae  # noqa: E402
+from adaptive_eager.config import config  # noqa: E402
+from adaptive_eager.runtime.compiler import CountingCompiler, InductorCompiler, use_compiler  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_runtime(request):
+    """Empty key table and counters; HOT_THRESHOLD=2; counting compiler unless marked inductor."""
+    config.reload()
+    ae.reset()
+    compiler = InductorCompiler() if request.node.get_closest_marker("inductor") else \
+        CountingCompiler()
+    with config.patch(HOT_THRESHOLD=2), use_compiler(compiler):
+        yield compiler
+    leaked = ae.is_enabled()
+    while ae.is_enabled():
+        ae.disable()
+    ae.reset()
+    assert not leaked, "test left the runtime enabled"
+
+
+@pytest.fixture
+def compiler(fresh_runtime):
+    return fresh_runtime
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)

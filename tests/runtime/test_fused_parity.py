@@ -1,0 +1,143 @@
+"""Hot loops under the runtime equal eager, and the stats prove they really ran fused."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adaptive_eager as ae
+from helpers import assert_equal
+
+ITERS = 6
+
+
+def pointwise_chain(x):
+    y = (x * 1.5 + 0.25).sin()
+    y = y * y - 0.5
+    return torch.tanh(y) * 3.0 + x
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + F.gelu(self.linear(self.norm(x)))
+
+
+def attention(q, k, v):
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def _fused_ran(min_runs=1):
+    stats = ae.stats()
+    assert stats.compiles >= 1, stats
+    assert stats.fused_executions >= min_runs, stats
+    return stats
+
+
+def test_pointwise_chain_runs_fused():
+    x = torch.randn(64, 32)
+    expected = pointwise_chain(x)
+    with ae.enabled():
+        results = [pointwise_chain(x) for _ in range(ITERS)]
+    for got in results:
+        assert_equal(got, expected)
+    stats = _fused_ran(min_runs=ITERS - 3)
+    assert stats.divergences == 0
+
+
+def test_layernorm_gelu_residual_forward_and_backward():
+    torch.manual_seed(0)
+    eager_block = Block()
+    block = copy.deepcopy(eager_block)
+    x = torch.randn(8, 32, requires_grad=True)
+    eager_block(x).sum().backward()
+    expected_grads = [p.grad.clone() for p in eager_block.parameters()] + [x.grad.clone()]
+    with ae.enabled():
+        for _ in range(ITERS):
+            block.zero_grad(set_to_none=True)
+            x.grad = None
+            out = block(x)
+            out.sum().backward()
+    assert_equal(out, eager_block(x))
+    for got, want in zip([p.grad for p in block.parameters()] + [x.grad], expected_grads):
+        assert_equal(got, want)
+    _fused_ran(min_runs=2)
+
+
+def test_softmax_attention():
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    expected = attention(q, k, v)
+    with ae.enabled():
+        results = [attention(q, k, v) for _ in range(ITERS)]
+    for got in results:
+        assert_equal(got, expected)
+    _fused_ran()
+
+
+def _train(model, optimizer, data, target, steps):
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(data), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def _model_and_optimizer(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+
+
+def test_training_with_adamw_foreach_equals_eager():
+    data, target = torch.randn(8, 16), torch.randn(8, 4)
+    eager_model, eager_opt = _model_and_optimizer()
+    model, opt = _model_and_optimizer()
+    eager_losses = _train(eager_model, eager_opt, data, target, ITERS)
+    with ae.enabled():
+        losses = _train(model, opt, data, target, ITERS)
+    assert_equal(losses, eager_losses)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert type(p) is torch.nn.Parameter and type(p.grad) is torch.Tensor
+        assert_equal(p, q)
+        assert_equal(p.grad, q.grad)
+        assert p._version == q._version
+    for state, eager_state in zip(opt.state.values(), eager_opt.state.values()):
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert_equal(state[name], eager_state[name])
+    _fused_ran(min_runs=3)
+
+
+@pytest.mark.inductor
+def test_inductor_pointwise_chain_and_block():
+    x = torch.randn(256, 64)
+    expected = pointwise_chain(x)
+    with ae.enabled():
+        results = [pointwise_chain(x) for _ in range(4)]
+    for got in results:
+        assert_equal(got, expected)
+    _fused_ran(min_runs=2)
+
+
+@pytest.mark.inductor
+def test_inductor_training_step_equals_eager():
+    data, target = torch.randn(8, 16), torch.randn(8, 4)
+    eager_model, eager_opt = _model_and_optimizer()
+    model, opt = _model_and_optimizer()
+    eager_losses = _train(eager_model, eager_opt, data, target, 4)
+    with ae.enabled():
+        losses = _train(model, opt, data, target, 4)
+    assert_equal(losses, eager_losses)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        assert_equal(p, q)
+        assert_equal(p.grad, q.grad)
+    stats = _fused_ran(min_runs=2)
+    assert stats.compile_failures == 0, stats.fallbacks
