@@ -151,6 +151,7 @@ class Runtime:
         if op_class.kind is OpKind.BOUNDARY:
             return self._run_boundary(func, args, kwargs, op_class.reason)
         builder = self._current_builder()
+        known_inputs = len(builder.inputs)
         try:
             encoded_args, encoded_kwargs = builder.encode(args, kwargs)
         except Unkeyable as err:
@@ -160,12 +161,14 @@ class Runtime:
             child = self._hot.children.get(signature)
             if child is not None:
                 return self._defer(child, func, op_class, args, kwargs, signature)
-            if self._end_hot():        # ran fused: this op opens a new segment
-                return self._dispatch(func, op_class, args, kwargs)
-        elif builder.ops and builder.ops[0].signature == signature:
+            builder.drop_inputs_from(known_inputs)
+            self._end_hot()            # fused (new segment) or replayed (recording goes on)
+            return self._dispatch(func, op_class, args, kwargs)
+        if builder.ops and builder.ops[0].signature == signature:
             # Note [Loop iterations]: the op that opened this segment comes again, so a loop
             # body has wrapped around. Cutting here aligns segments with iterations; without
             # it, boundary-free loops form MAX_SEGMENT_OPS-long segments whose phase drifts.
+            builder.drop_inputs_from(known_inputs)
             self._end_segment()
             return self._dispatch(func, op_class, args, kwargs)
         elif len(builder) == 0:
@@ -233,6 +236,8 @@ class Runtime:
         builder = self._builder
         live = builder.live_refs()
         variant = node.variant_for(live)
+        if variant is not None and len(builder.inputs) != len(variant.segment.input_metas):
+            variant = None                  # same ops, other input aliasing: not this kernel
         if variant is not None:
             segment = variant.segment
             buffers = [builder.live_tensor(ref) for ref in segment.live_refs]

@@ -127,10 +127,15 @@ class SegmentBuilder:
                 self._enter_device(torch.device(device))
             return encoded
         except Unkeyable:
-            for tensor in self.inputs[registered:]:
-                self._known.pop(id(tensor), None)
-            del self.inputs[registered:]
+            self.drop_inputs_from(registered)
             raise
+
+    def drop_inputs_from(self, count: int) -> None:
+        """Forget external inputs registered after the first ``count`` (an op that was encoded
+        but then belongs to the next segment must not leave inputs in this one)."""
+        for tensor in self.inputs[count:]:
+            self._known.pop(id(tensor), None)
+        del self.inputs[count:]
 
     def _tensor_arg(self, tensor: torch.Tensor) -> TensorArg:
         arg = tensor_arg(tensor, self.ref_of(tensor))

@@ -26,7 +26,7 @@ class Stats:
         default_factory=lambda: types.MappingProxyType({}))
 
     def as_dict(self) -> dict:
-        result = dataclasses.asdict(self)
+        result = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         result["fallbacks"] = dict(self.fallbacks)
         return result
 

@@ -1,0 +1,135 @@
+"""Hot thresholds, negative entries, segment cuts: what gets compiled and what does not."""
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager.config import config
+from adaptive_eager.runtime import engine
+from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+from adaptive_eager.runtime.policy import KeyState
+from helpers import assert_equal
+
+
+def chain(x):
+    return ((x * 2 + 1).sin() * 3).cos()
+
+
+def _entries():
+    return engine.shared_table().entries()
+
+
+def test_a_key_compiles_once_at_the_hot_threshold(compiler):
+    x = torch.randn(8)
+    with config.patch(HOT_THRESHOLD=3), ae.enabled():
+        chain(x)
+        chain(x)
+        ae.sync()
+        assert compiler.count == 0
+        for _ in range(6):
+            chain(x)
+        ae.sync()
+    assert compiler.count == 1
+    stats = ae.stats()
+    assert stats.hot_keys == 1 and stats.compiles == 1 and stats.keys_seen == 1
+    [entry] = _entries()
+    assert entry.state is KeyState.READY and len(entry.digest) == 16
+
+
+def test_compile_failure_is_a_counted_negative_entry():
+    x = torch.randn(8)
+    with use_compiler(CountingCompiler(fail_with=RuntimeError)) as failing, ae.enabled():
+        outs = [chain(x) for _ in range(8)]
+    assert failing.count == 1                      # never retried
+    stats = ae.stats()
+    assert stats.compile_failures == 1 and stats.fallbacks["compile_failed"] == 1
+    assert stats.fused_executions == 0
+    [entry] = _entries()
+    assert entry.state is KeyState.FAILED and "RuntimeError" in entry.reason
+    for out in outs:
+        assert_equal(out, chain(x))
+
+
+def test_kernel_failing_at_run_time_falls_back_per_op():
+    def broken_kernel(*tensors):
+        raise RuntimeError("kernel exploded")
+
+    class BrokenCompiler(CountingCompiler):
+        def compile(self, graph, example_inputs):
+            super().compile(graph, example_inputs)
+            return broken_kernel
+
+    x = torch.randn(8)
+    with use_compiler(BrokenCompiler()), ae.enabled():
+        outs = [chain(x) for _ in range(6)]
+    for out in outs:
+        assert_equal(out, chain(x))
+    [entry] = _entries()
+    assert entry.state is KeyState.FAILED and "kernel exploded" in entry.reason
+    assert ae.stats().fallbacks["kernel_error"] == 1
+
+
+def test_single_ops_are_not_worth_fusing(compiler):
+    x = torch.randn(8)
+    with ae.enabled():
+        for _ in range(4):
+            x.sin().sum().item()            # sin + sum, cut by item(): 2 ops, fused
+            x.sum().item()                  # one op alone: nothing to fuse
+    states = {tuple(str(op.func) for op in e.segment.ops): e for e in _entries()}
+    assert states[("aten.sin.default", "aten.sum.default")].state is KeyState.READY
+    alone = states[("aten.sum.default",)]
+    assert alone.state is KeyState.UNFUSIBLE and alone.reason == "too_few_ops"
+    assert ae.stats().fallbacks["too_few_ops"] == 1 and compiler.count == 1
+
+
+def test_segments_are_cut_at_max_length(compiler):
+    x = torch.randn(8)
+
+    def long_body(x):
+        for _ in range(10):
+            x = x * 1.01 + 0.1
+        return x
+    with config.patch(MAX_SEGMENT_OPS=6), ae.enabled():
+        for _ in range(4):
+            got = long_body(x)
+    assert all(len(e.segment.ops) <= 6 for e in _entries())
+    assert_equal(got, long_body(x))
+
+
+def test_loop_iterations_align_segments(compiler):
+    x = torch.randn(8)
+    with ae.enabled():
+        for _ in range(6):
+            y = chain(x)                   # no boundary between iterations
+    assert ae.stats().keys_seen == 1
+    [entry] = _entries()
+    assert len(entry.segment.ops) == 5
+    assert_equal(y, chain(x))
+
+
+def test_compile_off_records_and_keys_but_never_compiles(compiler):
+    x = torch.randn(8)
+    with config.patch(COMPILE=False), ae.enabled():
+        outs = [chain(x) for _ in range(6)]
+    stats = ae.stats()
+    assert compiler.count == 0 and stats.compiles == 0 and stats.fused_executions == 0
+    assert stats.keys_seen == 1 and stats.hot_keys == 1
+    assert stats.fallbacks["compile_disabled"] == 1
+    [entry] = _entries()
+    assert entry.state is KeyState.HOT and entry.reason == "compile_disabled"
+    for out in outs:
+        assert_equal(out, chain(x), bitwise=True)
+
+
+def test_stats_is_a_frozen_record():
+    stats = ae.stats()
+    try:
+        stats.ops_seen = 5
+    except Exception as err:
+        assert "frozen" in str(err) or "cannot assign" in str(err)
+    else:
+        raise AssertionError("Stats should be frozen")
+    as_dict = stats.as_dict()
+    for name in ("ops_seen", "segments_recorded", "keys_seen", "hot_keys", "compiles",
+                 "compile_failures", "compile_seconds", "fused_executions",
+                 "per_op_executions", "divergences", "fallbacks"):
+        assert name in as_dict
+    assert isinstance(as_dict["fallbacks"], dict)
