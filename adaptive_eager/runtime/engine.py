@@ -75,6 +75,20 @@ def _both_autocasts_off():
         yield
 
 
+def _run_kernel(kernel, inputs: list, buffers: list) -> None:
+    """Run a fused kernel, keeping version counters as eager left them.
+
+    Eager already bumped the versions of mutated inputs when each in-place op was deferred
+    (autograd's ADInplaceOrView runs above the mode); the compiled wrapper's own copy back into
+    a mutated input would bump them again, so they are restored."""
+    versions = [None if t.is_inference() else t._version for t in inputs]
+    with _no_autocast():
+        kernel(*inputs, *buffers)
+    changed = [(t, v) for t, v in zip(inputs, versions) if v is not None and t._version != v]
+    if changed:
+        torch._C._autograd._unsafe_set_version_counter(*zip(*changed))
+
+
 def _argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
     return args[position] if position < len(args) else kwargs[name]
 
@@ -164,10 +178,11 @@ class Runtime:
             builder.drop_inputs_from(known_inputs)
             self._end_hot()            # fused (new segment) or replayed (recording goes on)
             return self._dispatch(func, op_class, args, kwargs)
-        if builder.ops and builder.ops[0].signature == signature:
-            # Note [Loop iterations]: the op that opened this segment comes again, so a loop
-            # body has wrapped around. Cutting here aligns segments with iterations; without
-            # it, boundary-free loops form MAX_SEGMENT_OPS-long segments whose phase drifts.
+        if builder.repeats(signature):
+            # Note [Loop iterations]: the very same call (op, sources, scalars) comes again,
+            # so a loop body has wrapped around. Cutting here aligns segments with iterations;
+            # without it, boundary-free loops form MAX_SEGMENT_OPS-long segments whose phase
+            # drifts and whose keys never repeat.
             builder.drop_inputs_from(known_inputs)
             self._end_segment()
             return self._dispatch(func, op_class, args, kwargs)
@@ -244,8 +259,7 @@ class Runtime:
             buffers = [self.pool.empty(segment.out_meta(ref)) if t is None else t
                        for ref, t in zip(segment.live_refs, buffers)]
             try:
-                with _no_autocast():
-                    variant.kernel(*builder.inputs, *buffers)
+                _run_kernel(variant.kernel, builder.inputs, buffers)
             except Exception as err:  # a kernel that fails at run time is dropped, not fatal
                 self.table.kernel_failed(variant, err)
             else:

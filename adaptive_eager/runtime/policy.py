@@ -46,7 +46,13 @@ class KeyEntry:
 def unfusible_reason(segment: Segment) -> str | None:
     if segment.compute_ops < MIN_COMPUTE_OPS:
         return "too_few_ops"
+    if any(_overlaps_itself(segment.out_meta(ref)) for ref in segment.live_refs):
+        return "overlapping_output"        # a kernel cannot write one memory cell twice
     return None
+
+
+def _overlaps_itself(meta) -> bool:
+    return any(stride == 0 and size > 1 for size, stride in zip(meta.shape, meta.stride))
 
 
 class KeyTable:

@@ -8,9 +8,11 @@ The finished, frozen ``Segment`` is what flows on: key → policy → compile �
 # Note [Liveness]
 Outputs are held only through weakrefs. When the segment ends, an output whose weakref is still
 alive is *live*: the user (or autograd, which saved it) can still read it, so a fused kernel must
-write it. Dead intermediates need no buffer. A view is live through its own weakref; only views
-of intermediates need writing (views of external inputs see the input itself). The key of a
-segment includes its live set, so a kernel is only replayed where it writes everything live.
+write it. Dead intermediates need no buffer. Views are never written themselves (an expanded
+view cannot even be): an output is also live when a view of it is, and is then written whole
+into the view's storage. Views of external inputs need nothing: they see the input itself. The
+key of a segment includes its live set, so a kernel only replays where it writes all that is
+live.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkey
                                                tensor_args)
 
 SINGLE, TUPLE, LIST, VOID = "single", "tuple", "list", "void"
+
+_untyped_storage = torch._C.TensorBase.untyped_storage   # not the flushing wrapper (escapes)
 
 
 def flatten_outputs(out: Any) -> tuple[str, tuple]:
@@ -98,9 +102,11 @@ class SegmentBuilder:
         self.ops: list[OpRecord] = []
         self.inputs: list[torch.Tensor] = []           # strong: fused kernels read them at the end
         self._known: dict[int, tuple[weakref.ref, Ref]] = {}
-        self._outputs: dict[Ref, weakref.ref] = {}     # outputs a kernel may have to write
+        self._outputs: dict[Ref, weakref.ref] = {}     # non-view outputs: what kernels write
+        self._views_of: dict[Ref, list[weakref.ref]] = {}  # output ref -> views of it
         self._view_roots: dict[Ref, Ref] = {}
         self.device: torch.device | None = None       # every tensor of a segment lives here
+        self._signatures: dict[Any, list[tuple]] = {}  # func -> signatures recorded for it
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -160,34 +166,58 @@ class SegmentBuilder:
         """Record ``record`` (hot path: the trie's own record) with its actual outputs."""
         index = len(self.ops)
         self.ops.append(record)
+        self._signatures.setdefault(record.func, []).append(record.signature)
         if record.op_class.kind is not OpKind.MUTATING:   # it returns tensors we know
             self._register_outputs(index, record, flat_outputs)
 
     def _register_outputs(self, index: int, record: OpRecord, flat: tuple) -> None:
-        base_root = None
+        root = None
         if record.op_class.kind is OpKind.VIEW:
             base = next(tensor_args(record.args[:1])).ref   # aten views view their first arg
-            base_root = self._view_roots.get(base, base)
+            root = self._view_roots.get(base, base)
         for out_index, tensor in enumerate(flat):
             if tensor is None:
                 continue
             ref = ("out", index, out_index)
             wref = weakref.ref(tensor)
             self._known[id(tensor)] = (wref, ref)
-            if base_root is None:
+            if root is None:
                 self._outputs[ref] = wref
             else:
-                self._view_roots[ref] = base_root
-                if base_root[0] == "out":              # views of inputs never need writing
-                    self._outputs[ref] = wref
+                self._view_roots[ref] = root
+                if root[0] == "out":                  # views of inputs never need writing
+                    self._views_of.setdefault(root, []).append(wref)
+
+    def repeats(self, signature: tuple) -> bool:
+        """True if this exact call (same op, same sources, same scalars) is already recorded."""
+        return signature in self._signatures.get(signature[0], ())
 
     def live_refs(self) -> tuple[Ref, ...]:
-        """Outputs still referenced now (see Note [Liveness])."""
-        return tuple(ref for ref, wref in self._outputs.items() if wref() is not None)
+        """Outputs still readable now, directly or through a view (see Note [Liveness])."""
+        return tuple(ref for ref, wref in self._outputs.items()
+                     if wref() is not None or self._live_view(ref) is not None)
+
+    def _live_view(self, ref: Ref) -> torch.Tensor | None:
+        for wref in self._views_of.get(ref, ()):
+            view = wref()
+            if view is not None:
+                return view
+        return None
 
     def live_tensor(self, ref: Ref) -> torch.Tensor | None:
+        """The tensor to write ``ref``'s value into: the output itself or, when the user kept
+        only views of it, the whole output rebuilt on their storage (hot-path outputs are
+        allocated at storage offset 0 with the recorded strides)."""
         wref = self._outputs.get(ref)
-        return None if wref is None else wref()
+        tensor = None if wref is None else wref()
+        if tensor is not None:
+            return tensor
+        view = self._live_view(ref)
+        if view is None:
+            return None
+        meta = self.ops[ref[1]].out_metas[ref[2]]
+        whole = torch.empty((0,), dtype=meta.dtype, device=meta.device)
+        return whole.set_(_untyped_storage(view), 0, meta.shape, meta.stride)
 
     def finish(self, live_refs: tuple[Ref, ...]) -> Segment:
         metas = tuple(TensorMeta.of(t) for t in self.inputs)

@@ -50,6 +50,22 @@ def test_pointwise_chain_runs_fused():
     assert stats.divergences == 0
 
 
+def test_inference_mode_runs_fused():
+    x = torch.randn(64, 32)
+    expected = pointwise_chain(x)
+    with torch.inference_mode(), ae.enabled():
+        acc = torch.zeros(64, 32)
+        results = []
+        for _ in range(ITERS):
+            out = pointwise_chain(x)
+            acc.add_(out)
+            results.append(out)
+    for got in results:
+        assert_equal(got, expected)
+    assert_equal(acc, expected * ITERS)
+    _fused_ran(min_runs=ITERS - 3)
+
+
 def test_layernorm_gelu_residual_forward_and_backward():
     torch.manual_seed(0)
     eager_block = Block()
