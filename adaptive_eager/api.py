@@ -23,10 +23,12 @@ def _stack() -> list:
 
 
 def _configure_logging() -> None:
+    """Apply NEURON_ADAPTIVE_EAGER_LOG. Warnings reach stderr through logging's last-resort
+    handler; for info/debug a handler is added, unless the program configured logging."""
     logger = logging.getLogger("adaptive_eager")
     level = config.LOG
     logger.setLevel(logging.CRITICAL + 1 if level == "off" else level.upper())
-    if not logger.handlers:
+    if level in ("info", "debug") and not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[adaptive_eager] %(levelname)s %(message)s"))
         logger.addHandler(handler)

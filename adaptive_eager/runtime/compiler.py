@@ -9,6 +9,7 @@ writing and replay in milliseconds, and count what would have been compiled.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from typing import Callable, Iterator, Protocol
@@ -36,7 +37,17 @@ class InductorCompiler:
 
     def compile(self, graph: fx.GraphModule, example_inputs: list[torch.Tensor]) -> FusedKernel:
         from torch._inductor import standalone_compile
-        return standalone_compile(graph, example_inputs, dynamic_shapes="from_example_inputs")
+
+        # It warns when it cannot bundle a saveable artifact (e.g. on an FX-cache hit). We do
+        # not save artifacts (yet), and the user's program must not print our internals.
+        quiet = logging.getLogger("torch._inductor.standalone_compile")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            return standalone_compile(graph, example_inputs,
+                                      dynamic_shapes="from_example_inputs")
+        finally:
+            quiet.setLevel(level)
 
 
 class CountingCompiler:

@@ -1,0 +1,77 @@
+"""Where the time goes on tiny tensors: per-op cost of each layer, side by side.
+
+    python bench/overhead.py [--numel 4096] [--steps 2000]
+
+Times an 8-op pointwise chain per step: plain eager; under a do-nothing TorchDispatchMode
+(the floor any Python interception pays); under the runtime with compilation off (cold path:
+record + key every op); and under the runtime, fused (hot path: match + defer + one kernel).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import adaptive_eager as ae  # noqa: E402
+from adaptive_eager.config import config  # noqa: E402
+from workloads import pointwise_chain  # noqa: E402
+
+OPS_PER_STEP = 8
+
+
+class PassThrough(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _per_step_us(step, steps: int, sync: bool = False) -> float:
+    samples = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(steps // 5):
+            result = step()
+            if sync:
+                ae.sync()
+            del result
+        samples.append((time.perf_counter() - started) / (steps // 5))
+    return statistics.median(samples) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=2000)
+    options = parser.parse_args()
+    step = pointwise_chain(options.numel)
+    rows = [("eager", _per_step_us(step, options.steps))]
+    with PassThrough():
+        rows.append(("no-op dispatch mode", _per_step_us(step, options.steps)))
+    with config.patch(COMPILE=False), ae.enabled():
+        rows.append(("runtime, compile off (cold path)", _per_step_us(step, options.steps)))
+    ae.reset()
+    with ae.enabled():
+        for _ in range(8):
+            step()
+        ae.sync()
+        rows.append(("runtime, fused (hot path)", _per_step_us(step, options.steps, sync=True)))
+    assert ae.stats().fused_executions > 0
+    eager = rows[0][1]
+    print(f"8-op pointwise chain, {options.numel} fp32 elements, torch {torch.__version__}")
+    print(f"{'path':<36}{'us/step':>9}{'us/op':>8}{'x eager':>9}")
+    for name, micros in rows:
+        print(f"{name:<36}{micros:>9.1f}{micros / OPS_PER_STEP:>8.1f}{micros / eager:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
