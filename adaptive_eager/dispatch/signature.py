@@ -120,6 +120,15 @@ def tensor_args(encoded: Any):
             yield from tensor_args(item)
 
 
+def without_input_identity(encoded: Any) -> Any:
+    """``encoded`` with every external input's number erased: the same call on other inputs."""
+    if isinstance(encoded, TensorArg):
+        return encoded._replace(ref=("in",)) if encoded.ref[0] == "in" else encoded
+    if isinstance(encoded, tuple) and not isinstance(encoded, ScalarArg):
+        return tuple([without_input_identity(item) for item in encoded])
+    return encoded
+
+
 def is_cpu_scalar(arg: TensorArg) -> bool:
     """0-dim CPU tensors (wrapped Python numbers) may sit beside tensors of any device."""
     return arg.device.type == "cpu" and not arg.shape

@@ -75,6 +75,21 @@ def _both_autocasts_off():
         yield
 
 
+_untyped_storage = torch._C.TensorBase.untyped_storage   # not the flushing wrapper (escapes)
+
+
+def _inputs_share_memory(inputs: list) -> bool:
+    """Do two distinct inputs share storage (a view and its base, two overlapping views)?
+
+    A kernel treats inputs as independent, so an in-place write through one would not be seen
+    through the other as it is in eager. Only views can share storage with another tensor, so
+    segments whose inputs are no views pay nothing but ``_is_view()`` calls."""
+    if not any(t._is_view() for t in inputs):
+        return False
+    storages = [_untyped_storage(t).data_ptr() for t in inputs]
+    return len(set(storages)) < len(storages)
+
+
 def _run_kernel(kernel, inputs: list, buffers: list) -> None:
     """Run a fused kernel, keeping version counters as eager left them.
 
@@ -253,6 +268,9 @@ class Runtime:
         variant = node.variant_for(live)
         if variant is not None and len(builder.inputs) != len(variant.segment.input_metas):
             variant = None                  # same ops, other input aliasing: not this kernel
+        if variant is not None and variant.mutates and _inputs_share_memory(builder.inputs):
+            counters.fallback("aliased_inputs")
+            variant = None
         if variant is not None:
             segment = variant.segment
             buffers = [builder.live_tensor(ref) for ref in segment.live_refs]

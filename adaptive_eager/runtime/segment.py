@@ -26,7 +26,7 @@ import torch
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason
 from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkeyable, encode_call,
                                                is_cpu_scalar, is_plain_tensor, tensor_arg,
-                                               tensor_args)
+                                               tensor_args, without_input_identity)
 
 SINGLE, TUPLE, LIST, VOID = "single", "tuple", "list", "void"
 
@@ -189,8 +189,17 @@ class SegmentBuilder:
                     self._views_of.setdefault(root, []).append(wref)
 
     def repeats(self, signature: tuple) -> bool:
-        """True if this exact call (same op, same sources, same scalars) is already recorded."""
-        return signature in self._signatures.get(signature[0], ())
+        """Has a loop wrapped around? True if this exact call (same op, sources, scalars) is
+        already recorded, or if it is the segment's opening call again on other inputs (a
+        loop over fresh tensors, such as batches)."""
+        recorded = self._signatures.get(signature[0])
+        if not recorded:
+            return False
+        if signature in recorded:
+            return True
+        opening = self.ops[0].signature
+        return opening[0] is signature[0] and \
+            without_input_identity(opening) == without_input_identity(signature)
 
     def live_refs(self) -> tuple[Ref, ...]:
         """Outputs still readable now, directly or through a view (see Note [Liveness])."""

@@ -10,6 +10,7 @@ import dataclasses
 import threading
 from typing import Any, Callable
 
+from adaptive_eager.dispatch.ops import OpKind
 from adaptive_eager.runtime.segment import OpRecord, Segment
 
 
@@ -19,9 +20,11 @@ class Variant:
     kernel: Callable
     entry: Any                      # the policy's KeyEntry, for counting fused runs
     live_set: frozenset = dataclasses.field(init=False)
+    mutates: bool = dataclasses.field(init=False)   # has in-place ops (on inputs, maybe)
 
     def __post_init__(self) -> None:
         self.live_set = frozenset(self.segment.live_refs)
+        self.mutates = any(op.kind is OpKind.MUTATING for op in self.segment.ops)
 
 
 class TrieNode:

@@ -91,6 +91,25 @@ def test_in_place_update_of_an_input_is_visible_with_eager_versions():
     assert acc._version == eager_acc._version
 
 
+def test_overlapping_inputs_of_an_in_place_segment_run_per_op():
+    def step(a, b):
+        a.mul_(2)                           # writes memory that b also sees
+        return (b + 1).sin()
+    base = torch.arange(16.0)
+    independent = [(torch.arange(8.0), torch.arange(8.0)) for _ in range(4)]
+    overlapping = (base[0:8], base[4:12])                   # same key: shapes, aligned views
+    with ae.enabled():
+        kept = [step(a, b) for a, b in independent]         # compiles, then runs fused
+        fused = ae.stats().fused_executions
+        got = step(*overlapping)
+        ae.sync()
+    expected_base = torch.arange(16.0)
+    expected = step(expected_base[0:8], expected_base[4:12])
+    assert fused >= 1 and ae.stats().fallbacks["aliased_inputs"] == 1
+    assert_equal(got, expected)
+    assert_equal(base, expected_base)
+
+
 def test_outputs_kept_alive_in_a_list():
     def step(x):
         a = x + 1

@@ -95,6 +95,21 @@ def test_softmax_attention():
     _fused_ran()
 
 
+def test_autocast_bfloat16_block():
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = block(x)
+        with ae.enabled():
+            results = [block(x) for _ in range(ITERS)]
+    assert block.linear(x).dtype == torch.float32   # outside autocast again
+    for got in results:
+        assert got.dtype == expected.dtype
+        assert_equal(got, expected)
+    _fused_ran(min_runs=2)
+
+
 def _train(model, optimizer, data, target, steps):
     losses = []
     for _ in range(steps):
