@@ -10,7 +10,7 @@ Divergence: a deferred run that cannot finish fused is replayed per-op into the 
            (runtime.graph.run_eagerly), counted, and recording goes on from there.
 
 One ``Runtime`` exists per ``enable()``; the key table and the trie of compiled kernels are
-shared by all of them (``shared_state()``).
+shared by all of them (``shared_table()``).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import weakref
 from typing import Any, Iterator
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from adaptive_eager.config import config
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
@@ -56,22 +57,17 @@ def below_autograd() -> Iterator[None]:
     Deferred work flushed from outside the mode (sync, numpy(), ...) must run here: filling
     buffers with autograd active raises version-counter errors, and recorded ops already carry
     autocast's casts, so autocast must not apply them twice."""
-    from torch.utils._python_dispatch import _disable_current_modes
     with _disable_current_modes(), torch._C._AutoDispatchBelowADInplaceOrView(), _no_autocast():
         yield
 
 
-def _no_autocast():
-    """Recorded ops already carry autocast's casts: kernels and replays must not add more."""
-    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-        return torch.autocast("cpu", enabled=False) if not torch.is_autocast_enabled("cuda") \
-            else _both_autocasts_off()
-    return contextlib.nullcontext()
-
-
 @contextlib.contextmanager
-def _both_autocasts_off():
-    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+def _no_autocast() -> Iterator[None]:
+    """Recorded ops already carry autocast's casts: kernels and replays must not add more."""
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
         yield
 
 
@@ -265,31 +261,38 @@ class Runtime:
         node, self._hot = self._hot, None
         builder = self._builder
         live = builder.live_refs()
-        variant = node.variant_for(live)
-        if variant is not None and len(builder.inputs) != len(variant.segment.input_metas):
-            variant = None                  # same ops, other input aliasing: not this kernel
-        if variant is not None and variant.mutates and _inputs_share_memory(builder.inputs):
-            counters.fallback("aliased_inputs")
-            variant = None
-        if variant is not None:
-            segment = variant.segment
-            buffers = [builder.live_tensor(ref) for ref in segment.live_refs]
-            buffers = [self.pool.empty(segment.out_meta(ref)) if t is None else t
-                       for ref, t in zip(segment.live_refs, buffers)]
-            try:
-                _run_kernel(variant.kernel, builder.inputs, buffers)
-            except Exception as err:  # a kernel that fails at run time is dropped, not fatal
-                self.table.kernel_failed(variant, err)
-            else:
-                counters.add("fused_executions")
-                counters.add("fused_ops", len(builder))
-                variant.entry.fused_runs += 1
-                self._builder = None
-                return True
-        else:
-            counters.add("divergences")
-            counters.fallback("divergence")
+        variant = self._pick_variant(node, builder, live)
+        if variant is not None and self._run_fused(variant, builder):
+            self._builder = None
+            return True
         targets = [(ref, builder.live_tensor(ref)) for ref in live]
         run_eagerly(builder.ops, builder.inputs, [(r, t) for r, t in targets if t is not None])
         self._per_op += len(builder)
         return False
+
+    def _pick_variant(self, node: TrieNode, builder: SegmentBuilder, live: tuple):
+        """The kernel to finish this deferred run with, or None (the reason is counted)."""
+        variant = node.variant_for(live)
+        if variant is None or len(builder.inputs) != len(variant.segment.input_metas):
+            counters.add("divergences")        # other ops, live outputs or input aliasing
+            counters.fallback("divergence")
+            return None
+        if variant.mutates and _inputs_share_memory(builder.inputs):
+            counters.fallback("aliased_inputs")
+            return None
+        return variant
+
+    def _run_fused(self, variant, builder: SegmentBuilder) -> bool:
+        segment = variant.segment
+        buffers = [builder.live_tensor(ref) for ref in segment.live_refs]
+        buffers = [self.pool.empty(segment.out_meta(ref)) if t is None else t
+                   for ref, t in zip(segment.live_refs, buffers)]
+        try:
+            _run_kernel(variant.kernel, builder.inputs, buffers)
+        except Exception as err:  # a kernel that fails at run time is dropped, not fatal
+            self.table.kernel_failed(variant, err)
+            return False
+        counters.add("fused_executions")
+        counters.add("fused_ops", len(builder))
+        variant.entry.fused_runs += 1
+        return True

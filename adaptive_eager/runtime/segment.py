@@ -64,10 +64,6 @@ class OpRecord(NamedTuple):
     def kind(self) -> OpKind:
         return self.op_class.kind
 
-    def describe(self) -> str:
-        shapes = [list(arg.shape) for arg in tensor_args(self.args)]
-        return f"{self.func}{shapes}"
-
 
 @dataclasses.dataclass(frozen=True)
 class Segment:

@@ -28,11 +28,10 @@ class Variant:
 
 
 class TrieNode:
-    __slots__ = ("record", "depth", "children", "variants")
+    __slots__ = ("record", "children", "variants")
 
-    def __init__(self, record: OpRecord | None, depth: int) -> None:
+    def __init__(self, record: OpRecord | None) -> None:
         self.record = record        # the op that leads here (its output metas feed the hot path)
-        self.depth = depth
         self.children: dict[tuple, TrieNode] = {}
         self.variants: dict[tuple, Variant] = {}
 
@@ -59,11 +58,11 @@ class KernelTrie:
     def insert(self, segment: Segment, kernel: Callable, entry: Any) -> Variant:
         variant = Variant(segment, kernel, entry)
         with self._lock:
-            node = self._roots.setdefault(segment.context, TrieNode(None, 0))
+            node = self._roots.setdefault(segment.context, TrieNode(None))
             for op in segment.ops:
                 child = node.children.get(op.signature)
                 if child is None:
-                    child = node.children[op.signature] = TrieNode(op, node.depth + 1)
+                    child = node.children[op.signature] = TrieNode(op)
                 node = child
             node.variants[segment.live_refs] = variant
         return variant

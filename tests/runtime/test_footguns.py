@@ -38,7 +38,8 @@ def _warm(fn, *args, times=4):
     lambda t: bytes(t.untyped_storage()),
     lambda t: pickle.loads(pickle.dumps(t)),
     lambda t: torch.load(_saved(t)),
-], ids=["numpy", "tolist", "__array__", "storage", "pickle", "torch.save"])
+    lambda t: torch.from_dlpack(t).clone(),
+], ids=["numpy", "tolist", "__array__", "storage", "pickle", "torch.save", "dlpack"])
 def test_reads_that_bypass_the_dispatcher_see_computed_values(read):
     x = torch.randn(32)
     expected = read(chain(x))
