@@ -41,7 +41,8 @@ class BufferPool:
         for storage in slots:
             if _use_count(storage._cdata) == 1:
                 tensor = torch.empty((0,), dtype=meta.dtype, device=meta.device)
-                return tensor.set_(storage, 0, meta.shape, meta.stride)
+                with torch._C._AutoDispatchBelowADInplaceOrView():   # a fresh tensor: version 0
+                    return tensor.set_(storage, 0, meta.shape, meta.stride)
         tensor = meta.empty()
         if len(slots) < MAX_PER_SIZE and self.held_bytes + nbytes <= self.max_bytes:
             slots.append(_untyped_storage(tensor))
