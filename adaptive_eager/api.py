@@ -90,5 +90,5 @@ def reset() -> None:
     sync()
     for runtime in engine.live_runtimes():
         runtime.publish_counts()
-    engine.shared_table().clear()
+    engine.reset_shared_table()
     counters.reset()

@@ -85,7 +85,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Memory (MiB) kept to reuse for large deferred outputs (saves page faults); "
             "0 disables the pool."),
     Setting("CACHE_DIR", str, _default_cache_dir,
-            "Where compiled kernels and segment records are kept."),
+            "Where compiled kernels and segment records are kept (shared by processes)."),
+    Setting("CACHE_SIZE", _positive_int, lambda: 256,
+            "Compiled kernels kept loaded in memory; the least recently used are evicted."),
     Setting("LOG", _log_level, lambda: "warning",
             "Verbosity of the 'adaptive_eager' logger: off, warning, info or debug."),
 )

@@ -29,13 +29,15 @@ from adaptive_eager.runtime.compiler import CountingCompiler, InductorCompiler, 
 
 
 @pytest.fixture(autouse=True)
-def fresh_runtime(request):
-    """Empty key table and counters; HOT_THRESHOLD=2; counting compiler unless marked inductor."""
+def fresh_runtime(request, tmp_path):
+    """Empty key table, counters and cache directory; HOT_THRESHOLD=2; the counting compiler
+    unless the test is marked inductor."""
     config.reload()
     ae.reset()
     compiler = InductorCompiler() if request.node.get_closest_marker("inductor") else \
         CountingCompiler()
-    with config.patch(HOT_THRESHOLD=2), use_compiler(compiler):
+    with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache")), \
+            use_compiler(compiler):
         yield compiler
     leaked = ae.is_enabled()
     while ae.is_enabled():

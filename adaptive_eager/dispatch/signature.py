@@ -134,8 +134,14 @@ def is_cpu_scalar(arg: TensorArg) -> bool:
     return arg.device.type == "cpu" and not arg.shape
 
 
+KEY_CONTEXT_FIELDS = ("torch_version", "default_dtype", "grad_enabled", "inference_mode",
+                      "autocast_cpu", "autocast_cpu_dtype", "autocast_cuda",
+                      "deterministic_algorithms", "settings")
+
+
 def key_context() -> tuple:
-    """Ambient state that changes what ops compute; part of every segment key."""
+    """Ambient state that changes what ops compute; part of every segment key (the names of
+    its parts are KEY_CONTEXT_FIELDS)."""
     from adaptive_eager.config import config
     return (
         torch.__version__,

@@ -29,6 +29,13 @@ class Compiler(Protocol):
     def compile(self, graph: fx.GraphModule, example_inputs: list[torch.Tensor]) -> FusedKernel:
         ...
 
+    def save(self, kernel: FusedKernel, path: str) -> bool:
+        """Write ``kernel`` to ``path``; False if this kernel cannot be saved."""
+        ...
+
+    def load(self, path: str) -> FusedKernel:
+        ...
+
 
 class InductorCompiler:
     """TorchInductor's standalone_compile on the raw aten graph (functionalizes in-place ops)."""
@@ -49,6 +56,16 @@ class InductorCompiler:
         finally:
             quiet.setLevel(level)
 
+    def save(self, kernel: FusedKernel, path: str) -> bool:
+        if not kernel.is_saveable():
+            return False
+        kernel.save(path=path, format="binary")
+        return True
+
+    def load(self, path: str) -> FusedKernel:
+        from torch._inductor.standalone_compile import CompiledArtifact
+        return CompiledArtifact.load(path=path, format="binary")
+
 
 class CountingCompiler:
     """Test stand-in: returns the graph module unchanged and remembers every graph it got."""
@@ -58,6 +75,7 @@ class CountingCompiler:
     def __init__(self, fail_with: type[Exception] | None = None) -> None:
         self.graphs: list[fx.GraphModule] = []
         self.fail_with = fail_with
+        self.loads = 0
 
     @property
     def count(self) -> int:
@@ -68,6 +86,14 @@ class CountingCompiler:
         if self.fail_with is not None:
             raise self.fail_with("compile failure requested by the test")
         return graph
+
+    def save(self, kernel: FusedKernel, path: str) -> bool:
+        torch.save(kernel, path)                 # a GraphModule pickles as its code
+        return True
+
+    def load(self, path: str) -> FusedKernel:
+        self.loads += 1
+        return torch.load(path, weights_only=False)
 
 
 _compiler_lock = threading.Lock()

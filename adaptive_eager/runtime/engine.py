@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.config import config
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
@@ -40,10 +41,22 @@ _live_runtimes: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
 def shared_table() -> KeyTable:
     """The process-wide key table (and, through it, the trie of compiled kernels)."""
     global _shared_table
+    table = _shared_table
+    if table is not None:
+        return table
     with _shared_lock:
         if _shared_table is None:
-            _shared_table = KeyTable(KernelTrie())
+            _shared_table = KeyTable(KernelTrie(), DiskCache(config.CACHE_DIR))
         return _shared_table
+
+
+def reset_shared_table() -> None:
+    """Write what is pending, then forget every key and kernel (tests, benchmarks)."""
+    global _shared_table
+    with _shared_lock:
+        table, _shared_table = _shared_table, None
+    if table is not None:
+        table.close()
 
 
 def live_runtimes() -> list["Runtime"]:
@@ -113,8 +126,7 @@ def _bump_versions(op_class: OpClass, args: tuple, kwargs: dict) -> None:
 
 
 class Runtime:
-    def __init__(self, table: KeyTable | None = None) -> None:
-        self.table = table or shared_table()
+    def __init__(self) -> None:
         self._lock = threading.RLock()
         self._builder: SegmentBuilder | None = None
         self._hot: TrieNode | None = None      # set while deferring along a compiled segment
@@ -125,6 +137,10 @@ class Runtime:
         self._ops_seen = 0
         self._per_op = 0
         _live_runtimes.add(self)
+
+    @property
+    def table(self) -> KeyTable:
+        return shared_table()
 
     # ---------------------------------------------------------------- entry points
 
@@ -168,6 +184,7 @@ class Runtime:
         self.flush()
         self.publish_counts()
         self.pool.clear()
+        self.table.flush()
         _live_runtimes.discard(self)
 
     # ---------------------------------------------------------------- dispatch
@@ -294,5 +311,5 @@ class Runtime:
             return False
         counters.add("fused_executions")
         counters.add("fused_ops", len(builder))
-        variant.entry.fused_runs += 1
+        self.table.touch(variant)
         return True

@@ -1,9 +1,10 @@
-"""Which segments get compiled: counting keys, deciding hot, remembering failures.
+"""Which segments get compiled: counting keys, deciding hot, remembering decisions.
 
 Every finished cold segment is ``observe``d. A key seen ``HOT_THRESHOLD`` times becomes hot and,
-unless compilation is off or the segment has nothing to fuse, is compiled; a kernel goes into the
-trie the hot path walks. A compile failure is a negative entry: that key runs per-op for good,
-with its reason kept and counted.
+unless compilation is off or the segment has nothing to fuse, gets a kernel: loaded from the
+disk store when an earlier process compiled it (such keys turn hot at first sight), compiled
+otherwise. Kernels go into the trie the hot path walks and into the in-memory LRU. A failure
+is a negative entry: that key runs per-op for good, with its reason kept, counted and stored.
 """
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import logging
 import threading
 
 from adaptive_eager.cache.digest import stable_digest
+from adaptive_eager.cache.disk import DiskCache
+from adaptive_eager.cache.memory import KernelLRU
+from adaptive_eager.cache.store import SegmentRecord
 from adaptive_eager.config import config
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
+from adaptive_eager.runtime.describe import key_parts, op_lines
 from adaptive_eager.runtime.segment import Segment
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, Variant
@@ -25,10 +30,10 @@ MIN_COMPUTE_OPS = 2   # a single op gains nothing from fusion and pays the hot-p
 
 
 class KeyState(str, enum.Enum):
-    COLD = "cold"              # seen fewer than HOT_THRESHOLD times
+    COLD = "cold"              # seen fewer than HOT_THRESHOLD times (or its kernel was evicted)
     HOT = "hot"                # hot, but compilation is off (COMPILE=0)
-    READY = "ready"            # compiled; the hot path replays it fused
-    FAILED = "failed"          # compile failed: per-op for good (negative entry)
+    READY = "ready"            # has a kernel; the hot path replays it fused
+    FAILED = "failed"          # compile or kernel failed: per-op for good (negative entry)
     UNFUSIBLE = "unfusible"    # hot, but nothing worth fusing (e.g. a single op)
 
 
@@ -41,6 +46,7 @@ class KeyEntry:
     fused_runs: int = 0
     compile_seconds: float = 0.0
     reason: str | None = None
+    artifact_path: str | None = None   # a loadable artifact from an earlier process
 
 
 def unfusible_reason(segment: Segment) -> str | None:
@@ -56,8 +62,11 @@ def _overlaps_itself(meta) -> bool:
 
 
 class KeyTable:
-    def __init__(self, trie: KernelTrie) -> None:
+    def __init__(self, trie: KernelTrie, disk: DiskCache | None = None,
+                 memory_size: int | None = None) -> None:
         self.trie = trie
+        self.disk = disk
+        self.kernels = KernelLRU(memory_size or config.CACHE_SIZE, self._evicted)
         self._entries: dict[tuple, KeyEntry] = {}
         self._lock = threading.RLock()
 
@@ -65,18 +74,40 @@ class KeyTable:
         with self._lock:
             return list(self._entries.values())
 
+    # ------------------------------------------------------------------ observing
+
     def observe(self, segment: Segment) -> KeyEntry:
-        """Count one recorded occurrence of ``segment``; compile it when it turns hot."""
+        """Count one recorded occurrence of ``segment``; get it a kernel when it turns hot."""
         counters.add("segments_recorded")
         with self._lock:
             entry = self._entries.get(segment.key)
             if entry is None:
-                entry = self._entries[segment.key] = KeyEntry(stable_digest(segment.key), segment)
-                counters.add("keys_seen")
+                entry = self._entries[segment.key] = self._new_entry(segment)
             entry.seen += 1
-            if entry.state is KeyState.COLD and entry.seen >= config.HOT_THRESHOLD:
+            self._note(entry, seen=1)
+            threshold = 1 if entry.artifact_path else config.HOT_THRESHOLD
+            if entry.state is KeyState.COLD and entry.seen >= threshold:
                 self._turn_hot(entry)
+        self.maybe_flush()
         return entry
+
+    def _new_entry(self, segment: Segment) -> KeyEntry:
+        counters.add("keys_seen")
+        entry = KeyEntry(stable_digest(segment.key), segment)
+        if self.disk is not None:
+            self.disk.register(entry.digest, op_lines(segment), key_parts(segment),
+                               current_compiler().name)
+            record = self.disk.lookup(entry.digest)
+            if record is not None:
+                self._apply_history(entry, record)
+        return entry
+
+    def _apply_history(self, entry: KeyEntry, record: SegmentRecord) -> None:
+        """What an earlier process learned about this key."""
+        if record.state == KeyState.FAILED.value:
+            entry.state, entry.reason = KeyState.FAILED, record.reason
+        elif record.state == KeyState.READY.value:
+            entry.artifact_path = self.disk.loadable_artifact(record, current_compiler().name)
 
     def _turn_hot(self, entry: KeyEntry) -> None:
         counters.add("hot_keys")
@@ -87,28 +118,73 @@ class KeyTable:
         elif not config.COMPILE:
             entry.state, entry.reason = KeyState.HOT, "compile_disabled"
             counters.fallback("compile_disabled")
-        else:
+        elif not self._load(entry):
             self._compile(entry)
+            return
+        self._note(entry, state=entry.state.value, reason=entry.reason)
+
+    # ------------------------------------------------------------------ kernels
+
+    def _load(self, entry: KeyEntry) -> bool:
+        if entry.artifact_path is None:
+            return False
+        kernel = self.disk.load_kernel(entry.artifact_path, current_compiler())
+        entry.artifact_path = None
+        if kernel is None:
+            return False
+        counters.add("cache_hits_disk")
+        self._install(entry, kernel)
+        log.info("loaded %s (%d ops) from the disk cache", entry.digest, len(entry.segment.ops))
+        return True
 
     def _compile(self, entry: KeyEntry) -> None:
         compiler = current_compiler()
         try:
             kernel, seconds = compile_segment(entry.segment, compiler)
         except Exception as err:  # any compiler error: this key runs per-op for good
-            self.mark_failed(entry, f"compile_error: {type(err).__name__}: {err}"[:500])
             counters.add("compile_failures")
+            self.mark_failed(entry, f"compile_error: {type(err).__name__}: {err}"[:500])
             return
-        entry.state, entry.compile_seconds = KeyState.READY, seconds
+        entry.compile_seconds = seconds
         counters.add("compiles")
         counters.add("compile_seconds", seconds)
-        self.trie.insert(entry.segment, kernel, entry)
+        self._install(entry, kernel)
+        artifact = self.disk.save_kernel(entry.digest, kernel, compiler) if self.disk else {}
+        self._note(entry, state=entry.state.value, reason=None, compile_seconds=seconds,
+                   **artifact)
         log.info("compiled %s (%d ops) in %.2fs with %s", entry.digest,
                  len(entry.segment.ops), seconds, compiler.name)
+
+    def _install(self, entry: KeyEntry, kernel) -> None:
+        entry.state = KeyState.READY
+        variant = self.trie.insert(entry.segment, kernel, entry)
+        self.kernels[entry.digest] = variant          # may evict the least recently used
+
+    def _evicted(self, digest: str, variant: Variant) -> None:
+        self.trie.remove(variant)
+        entry = variant.entry
+        if entry.state is KeyState.READY:
+            entry.state = KeyState.COLD              # hot again at next sight: load or compile
+            if self.disk is not None:
+                record = self.disk.lookup(digest)
+                entry.artifact_path = record and self.disk.loadable_artifact(
+                    record, current_compiler().name)
+
+    def touch(self, variant: Variant) -> None:
+        """A fused run used ``variant``: count it and keep its kernel recently used."""
+        self.kernels.get(variant.entry.digest)
+        counters.add("cache_hits_memory")
+        variant.entry.fused_runs += 1
+        self._note(variant.entry, fused_runs=1)
+        self.maybe_flush()
+
+    # ------------------------------------------------------------------ failures
 
     def mark_failed(self, entry: KeyEntry, reason: str) -> None:
         entry.state, entry.reason = KeyState.FAILED, reason
         counters.fallback("compile_failed" if reason.startswith("compile_error") else
                           reason.split(":")[0])
+        self._note(entry, state=entry.state.value, reason=reason)
         log.warning("segment %s (%s) will run per-op: %s", entry.digest,
                     entry.segment.describe()[:200], reason)
 
@@ -116,9 +192,27 @@ class KeyTable:
         """A compiled kernel raised at run time: never replay it again."""
         with self._lock:
             self.trie.remove(variant)
+            self.kernels.pop(variant.entry.digest, None)
             self.mark_failed(variant.entry, f"kernel_error: {type(err).__name__}: {err}"[:500])
 
-    def clear(self) -> None:
+    # ------------------------------------------------------------------ persistence
+
+    def _note(self, entry: KeyEntry, **fields) -> None:
+        if self.disk is not None:
+            self.disk.note(entry.digest, **fields)
+
+    def maybe_flush(self) -> None:
+        if self.disk is not None:
+            self.disk.maybe_flush()
+
+    def flush(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
         with self._lock:
+            if self.disk is not None:
+                self.disk.close()
             self._entries.clear()
             self.trie.clear()
+            self.kernels.clear()

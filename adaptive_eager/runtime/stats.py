@@ -22,6 +22,8 @@ class Stats:
     fused_ops: int = 0
     per_op_executions: int = 0
     divergences: int = 0
+    cache_hits_memory: int = 0
+    cache_hits_disk: int = 0
     fallbacks: types.MappingProxyType = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))
 

@@ -1,0 +1,152 @@
+"""The runtime's side of the disk store: history of keys, artifacts, batched counters.
+
+Nothing here may break the user's program: the first error that is not a damaged file (a
+read-only directory, a full disk) switches persistence off for the process with one warning,
+and the runtime goes on in memory.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sqlite3
+import sys
+import time
+
+from adaptive_eager.cache.store import SegmentRecord, Store
+
+log = logging.getLogger("adaptive_eager")
+
+FLUSH_INTERVAL_S = 5.0      # counters reach the disk at most this late (and at exit)
+
+
+@functools.lru_cache(maxsize=4)
+def build_fingerprint(compiler_name: str) -> str:
+    """What generated code depends on besides the key: the compiler, machine, CPU features,
+    Python and torch. An artifact built under another fingerprint is compiled again, never
+    loaded."""
+    import torch
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = next((line for line in handle if line.startswith("flags")), "")
+    except OSError:
+        pass
+    parts = [compiler_name, torch.__version__, sys.version.split()[0], platform.machine(),
+             flags, str(torch.version.cuda)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _guarded(default=None):
+    """Run a store operation; on failure switch persistence off (once) and return default."""
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            if self.store.disabled_reason is not None:
+                return default
+            try:
+                return method(self, *args, **kwargs)
+            except (sqlite3.Error, OSError) as err:
+                self.store.disabled_reason = f"{type(err).__name__}: {err}"
+                log.warning("kernel cache in %s is not usable (%s); going on without "
+                            "persisting", self.store.directory, self.store.disabled_reason)
+                return default
+        return guarded
+    return wrap
+
+
+class DiskCache:
+    def __init__(self, directory: str) -> None:
+        self.store = Store(directory)
+        self._pending: dict[str, dict] = {}
+        self._base: dict[str, dict] = {}
+        self._last_flush = time.monotonic()
+        self._use_inductor_cache_inside()
+        atexit.register(self.flush)
+
+    def _use_inductor_cache_inside(self) -> None:
+        # Loading an artifact is ~8 ms with a warm Inductor cache dir, ~5 s with an empty one
+        # (DESIGN.md): keep Inductor's cache beside our artifacts unless the user chose one.
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.store.directory,
+                                                                 "inductor")
+
+    @property
+    def enabled(self) -> bool:
+        return self.store.disabled_reason is None
+
+    @_guarded()
+    def lookup(self, digest: str) -> SegmentRecord | None:
+        return self.store.get(digest)
+
+    def loadable_artifact(self, record: SegmentRecord, compiler_name: str) -> str | None:
+        """The record's artifact path, if it was built here-compatibly and is intact."""
+        if record.fingerprint != build_fingerprint(compiler_name) or not record.artifact:
+            return None
+        return self._read_artifact(record)
+
+    @_guarded()
+    def _read_artifact(self, record: SegmentRecord) -> str | None:
+        return self.store.read_artifact(record)
+
+    def load_kernel(self, path: str, compiler):
+        """A kernel from ``path``, or None if it does not load."""
+        try:
+            return compiler.load(path)
+        except Exception as err:  # a damaged or foreign artifact: compile instead
+            log.warning("cache artifact %s did not load (%s: %s); compiling again", path,
+                        type(err).__name__, err)
+            return None
+
+    @_guarded(default={})
+    def save_kernel(self, digest: str, kernel, compiler) -> dict:
+        """Persist a kernel; returns the record fields naming its artifact ({} if not saved)."""
+        def write(path: str) -> bool:
+            try:
+                return compiler.save(kernel, path)
+            except Exception as err:  # an unsaveable kernel is used, just not persisted
+                log.info("kernel %s not persisted: %s: %s", digest, type(err).__name__, err)
+                return False
+
+        saved = self.store.save_artifact(digest, write)
+        if saved is None:
+            return {}
+        name, size, checksum = saved
+        return {"artifact": name, "artifact_bytes": size, "artifact_xxh": checksum}
+
+    def register(self, digest: str, ops: list, parts: dict, compiler_name: str) -> None:
+        """Describe a key once; every later write of its record carries this."""
+        self._base[digest] = {"digest": digest, "ops": ops, "parts": parts, "state": "cold",
+                              "torch_version": parts["context"]["torch_version"],
+                              "fingerprint": build_fingerprint(compiler_name)}
+
+    def note(self, digest: str, **fields) -> None:
+        """Queue fields for a registered key's record; ``seen``/``fused_runs`` are deltas."""
+        pending = self._pending.setdefault(digest, {"seen": 0, "fused_runs": 0})
+        for counter in ("seen", "fused_runs"):
+            pending[counter] += fields.pop(counter, 0)
+        pending.update(fields)
+
+    def maybe_flush(self) -> None:
+        if time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        pending, self._pending = self._pending, {}
+        updates = [{**self._base[digest], **fields} for digest, fields in pending.items()
+                   if digest in self._base]
+        if updates:
+            self._write(updates)
+
+    @_guarded()
+    def _write(self, updates: list[dict]) -> None:
+        self.store.write(updates)
+
+    def close(self) -> None:
+        self.flush()
+        atexit.unregister(self.flush)
+        self.store.close()

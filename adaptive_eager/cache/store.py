@@ -1,0 +1,313 @@
+"""The on-disk store: one SQLite table of segment records, compiled artifacts beside it.
+
+Layout of ``NEURON_ADAPTIVE_EAGER_CACHE_DIR``::
+
+    segments.sqlite            records, table ``segments_v{FORMAT_VERSION}`` (WAL mode)
+    artifacts/v{N}/<digest>.bin   Inductor artifacts (CompiledArtifact.save, binary format)
+    inductor/                  Inductor's own cache, kept inside ours so loads are fast
+
+Safe for several processes at once: WAL journaling, a busy timeout, counters written as
+deltas, artifacts written to a temporary file and renamed into place. A database that is not
+a database, or fails SQLite's quick check, is set aside (renamed ``*.corrupt-<time>``) and
+rebuilt; an artifact whose checksum does not match is removed. Each is reported once; the
+program never sees an exception from here: a store that cannot be written is switched off.
+
+This module does not import torch: the CLI reads the store without it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from typing import Callable, Iterator
+
+import xxhash
+
+log = logging.getLogger("adaptive_eager")
+
+FORMAT_VERSION = 1
+TABLE = f"segments_v{FORMAT_VERSION}"
+DB_NAME = "segments.sqlite"
+BUSY_TIMEOUT_S = 30.0
+
+_COLUMNS = (
+    ("digest", "TEXT PRIMARY KEY"),
+    ("ops", "TEXT NOT NULL"),            # JSON list of "aten.op(shapes)" strings
+    ("parts", "TEXT NOT NULL"),          # JSON object: the named parts of the key
+    ("state", "TEXT NOT NULL"),
+    ("seen", "INTEGER NOT NULL DEFAULT 0"),
+    ("fused_runs", "INTEGER NOT NULL DEFAULT 0"),
+    ("compile_seconds", "REAL NOT NULL DEFAULT 0"),
+    ("eager_ms", "REAL"),
+    ("fused_ms", "REAL"),
+    ("reason", "TEXT"),
+    ("torch_version", "TEXT NOT NULL"),
+    ("fingerprint", "TEXT NOT NULL"),    # machine + software that generated code depends on
+    ("artifact", "TEXT"),                # file name under artifacts/v{N}/
+    ("artifact_bytes", "INTEGER"),
+    ("artifact_xxh", "TEXT"),
+    ("created", "REAL NOT NULL"),
+    ("last_used", "REAL NOT NULL"),
+)
+_NAMES = tuple(name for name, _ in _COLUMNS)
+
+
+class CacheError(Exception):
+    """A cache request that cannot be served; the message says why (the CLI prints it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentRecord:
+    digest: str
+    ops: tuple
+    parts: dict
+    state: str
+    seen: int
+    fused_runs: int
+    compile_seconds: float
+    eager_ms: float | None
+    fused_ms: float | None
+    reason: str | None
+    torch_version: str
+    fingerprint: str
+    artifact: str | None
+    artifact_bytes: int | None
+    artifact_xxh: str | None
+    created: float
+    last_used: float
+
+    @classmethod
+    def from_row(cls, row: tuple) -> "SegmentRecord":
+        values = dict(zip(_NAMES, row))
+        values["ops"] = tuple(json.loads(values["ops"]))
+        values["parts"] = json.loads(values["parts"])
+        return cls(**values)
+
+    def as_dict(self) -> dict:
+        result = dataclasses.asdict(self)
+        result["ops"] = list(self.ops)
+        return result
+
+
+def file_digest(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+class Store:
+    """The records and artifacts of one cache directory."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = os.path.abspath(os.path.expanduser(directory))
+        self.db_path = os.path.join(self.directory, DB_NAME)
+        self.artifact_dir = os.path.join(self.directory, "artifacts", f"v{FORMAT_VERSION}")
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.RLock()
+        self.disabled_reason: str | None = None
+        self.set_aside: list[str] = []          # corrupt files moved away, for reports
+
+    # ------------------------------------------------------------------ connection
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is None:
+            os.makedirs(self.artifact_dir, exist_ok=True)
+            try:
+                self._conn = self._open_checked()
+            except sqlite3.DatabaseError as err:
+                self._set_aside_database(str(err))
+                self._conn = self._open_checked()
+        return self._conn
+
+    def _open_checked(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.db_path, timeout=BUSY_TIMEOUT_S, check_same_thread=False,
+                               isolation_level=None)
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            status = conn.execute("PRAGMA quick_check").fetchone()[0]
+            if status != "ok":
+                raise sqlite3.DatabaseError(f"quick_check: {status}")
+            columns = ", ".join(f"{name} {kind}" for name, kind in _COLUMNS)
+            conn.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} ({columns})")
+            return conn
+        except BaseException:
+            conn.close()
+            raise
+
+    def _set_aside_database(self, why: str) -> None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for suffix in ("", "-wal", "-shm"):
+            path = self.db_path + suffix
+            if os.path.exists(path):
+                target = f"{path}.corrupt-{stamp}"
+                os.replace(path, target)
+                self.set_aside.append(target)
+        log.warning("cache database %s was unreadable (%s); set aside and rebuilt",
+                    self.db_path, why)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            conn = self._connect()
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def _query(self, sql: str, params: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._connect().execute(sql, params).fetchall()
+
+    # ------------------------------------------------------------------ records
+
+    def get(self, digest: str) -> SegmentRecord | None:
+        rows = self._query(f"SELECT {', '.join(_NAMES)} FROM {TABLE} WHERE digest = ?",
+                           (digest,))
+        return SegmentRecord.from_row(rows[0]) if rows else None
+
+    def records(self) -> list[SegmentRecord]:
+        rows = self._query(f"SELECT {', '.join(_NAMES)} FROM {TABLE}")
+        return [SegmentRecord.from_row(row) for row in rows]
+
+    def write(self, updates: list[dict]) -> None:
+        """Insert or update records; ``seen``/``fused_runs`` in an update are deltas, added to
+        what other processes wrote meanwhile."""
+        if not updates:
+            return
+        now = time.time()
+        with self._transaction() as conn:
+            for update in updates:
+                self._upsert(conn, update, now)
+
+    def _upsert(self, conn: sqlite3.Connection, update: dict, now: float) -> None:
+        row = {"seen": 0, "fused_runs": 0, "created": now, "last_used": now, **update}
+        row["ops"] = json.dumps(list(row["ops"]))
+        row["parts"] = json.dumps(row["parts"], default=str)
+        names = [name for name in _NAMES if name in row]
+        assignments = ["seen = seen + excluded.seen", "fused_runs = fused_runs + excluded.fused_runs",
+                       "last_used = excluded.last_used"]
+        # A process that merely saw a key ("cold") must not undo another's decision.
+        assignments.append(f"state = CASE WHEN excluded.state = 'cold' THEN {TABLE}.state "
+                           "ELSE excluded.state END")
+        assignments += [f"{name} = excluded.{name}" for name in names
+                        if name not in ("digest", "seen", "fused_runs", "created", "last_used",
+                                        "ops", "parts", "state")]
+        conn.execute(
+            f"INSERT INTO {TABLE} ({', '.join(names)}) VALUES ({', '.join('?' for _ in names)}) "
+            f"ON CONFLICT(digest) DO UPDATE SET {', '.join(assignments)}",
+            tuple(row[name] for name in names))
+
+    def resolve(self, prefix: str) -> str:
+        """The one digest starting with ``prefix``; CacheError when none or several do."""
+        if not prefix or not all(c in "0123456789abcdef" for c in prefix.lower()):
+            raise CacheError(f"{prefix!r} is not a key: keys are hexadecimal digests")
+        rows = self._query(f"SELECT digest FROM {TABLE} WHERE digest LIKE ? LIMIT 6",
+                           (prefix.lower() + "%",))
+        if not rows:
+            raise CacheError(f"no segment key starts with {prefix!r} in {self.directory}")
+        if len(rows) > 1:
+            shown = ", ".join(row[0] for row in rows[:5])
+            raise CacheError(f"{prefix!r} is ambiguous: it starts {shown}"
+                             f"{', ...' if len(rows) > 5 else ''}")
+        return rows[0][0]
+
+    def delete(self, digests: list[str]) -> int:
+        with self._transaction() as conn:
+            for digest in digests:
+                conn.execute(f"DELETE FROM {TABLE} WHERE digest = ?", (digest,))
+        for digest in digests:
+            self.remove_artifact(digest)
+        return len(digests)
+
+    # ------------------------------------------------------------------ artifacts
+
+    def artifact_path(self, digest: str) -> str:
+        return os.path.join(self.artifact_dir, f"{digest}.bin")
+
+    def save_artifact(self, digest: str, write: Callable[[str], bool]) -> tuple | None:
+        """Have ``write(path)`` produce the artifact, then move it into place atomically.
+
+        Returns (file name, size, checksum), or None when ``write`` declined."""
+        final = self.artifact_path(digest)
+        temporary = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
+        try:
+            if not write(temporary):
+                return None
+            with open(temporary, "rb") as handle:
+                data = handle.read()
+            os.replace(temporary, final)
+        finally:
+            if os.path.exists(temporary):
+                os.remove(temporary)
+        return os.path.basename(final), len(data), file_digest(data)
+
+    def read_artifact(self, record: SegmentRecord) -> str | None:
+        """Path of the record's artifact if it is intact; a damaged one is removed."""
+        if not record.artifact:
+            return None
+        path = os.path.join(self.artifact_dir, record.artifact)
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except OSError:
+            return None
+        if len(data) != record.artifact_bytes or file_digest(data) != record.artifact_xxh:
+            log.warning("cache artifact %s is damaged (size or checksum); removed, the "
+                        "segment will be compiled again", path)
+            self.remove_artifact(record.digest)
+            return None
+        return path
+
+    def forget_artifact(self, digest: str) -> None:
+        """Drop a record's artifact: the segment goes back to cold and compiles again."""
+        with self._transaction() as conn:
+            conn.execute(f"UPDATE {TABLE} SET artifact = NULL, artifact_bytes = NULL, "
+                         f"artifact_xxh = NULL, state = 'cold' WHERE digest = ?", (digest,))
+        self.remove_artifact(digest)
+
+    def remove_artifact(self, digest: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.artifact_path(digest))
+
+    # ------------------------------------------------------------------ maintenance
+
+    def disk_bytes(self) -> int:
+        total = 0
+        for root, _, files in os.walk(self.directory):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.path.getsize(os.path.join(root, name))
+        return total
+
+    def verify(self) -> dict:
+        """Check the database and every artifact; returns what was found (and set aside)."""
+        problems = []
+        records = self.records()             # opening checks (and rebuilds) the database
+        problems += [f"database set aside: {path}" for path in self.set_aside]
+        for record in records:
+            if record.artifact and self.read_artifact(record) is None:
+                problems.append(f"{record.digest}: artifact missing or damaged (removed)")
+                self.forget_artifact(record.digest)
+        known = {record.artifact for record in records if record.artifact}
+        for name in sorted(os.listdir(self.artifact_dir)):
+            if ".tmp-" in name:                # another process may be writing it right now
+                continue
+            if name not in known:
+                problems.append(f"{name}: artifact with no record (removed)")
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(self.artifact_dir, name))
+        return {"records": len(records), "problems": problems, "ok": not problems}
