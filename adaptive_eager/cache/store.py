@@ -242,6 +242,7 @@ class Store:
         """Have ``write(path)`` produce the artifact, then move it into place atomically.
 
         Returns (file name, size, checksum), or None when ``write`` declined."""
+        os.makedirs(self.artifact_dir, exist_ok=True)    # also after a `rm -rf` mid-run
         final = self.artifact_path(digest)
         temporary = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:

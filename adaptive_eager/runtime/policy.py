@@ -46,7 +46,8 @@ class KeyEntry:
     fused_runs: int = 0
     compile_seconds: float = 0.0
     reason: str | None = None
-    artifact_path: str | None = None   # a loadable artifact from an earlier process
+    artifact_path: str | None = None   # an artifact to load when it turns hot (again)
+    saved_artifact: str | None = None  # where this process saved its kernel
 
 
 def unfusible_reason(segment: Segment) -> str | None:
@@ -129,7 +130,7 @@ class KeyTable:
         if entry.artifact_path is None:
             return False
         kernel = self.disk.load_kernel(entry.artifact_path, current_compiler())
-        entry.artifact_path = None
+        entry.saved_artifact, entry.artifact_path = entry.artifact_path, None
         if kernel is None:
             return False
         counters.add("cache_hits_disk")
@@ -150,6 +151,8 @@ class KeyTable:
         counters.add("compile_seconds", seconds)
         self._install(entry, kernel)
         artifact = self.disk.save_kernel(entry.digest, kernel, compiler) if self.disk else {}
+        if artifact:
+            entry.saved_artifact = self.disk.store.artifact_path(entry.digest)
         self._note(entry, state=entry.state.value, reason=None, compile_seconds=seconds,
                    **artifact)
         log.info("compiled %s (%d ops) in %.2fs with %s", entry.digest,
@@ -165,10 +168,7 @@ class KeyTable:
         entry = variant.entry
         if entry.state is KeyState.READY:
             entry.state = KeyState.COLD              # hot again at next sight: load or compile
-            if self.disk is not None:
-                record = self.disk.lookup(digest)
-                entry.artifact_path = record and self.disk.loadable_artifact(
-                    record, current_compiler().name)
+            entry.artifact_path = entry.saved_artifact or entry.artifact_path
 
     def touch(self, variant: Variant) -> None:
         """A fused run used ``variant``: count it and keep its kernel recently used."""

@@ -68,15 +68,24 @@ class KernelTrie:
         return variant
 
     def remove(self, variant: Variant) -> None:
-        """Stop replaying ``variant`` (its kernel failed at run time)."""
+        """Stop replaying ``variant``, and drop the trie nodes only it needed (a path to no
+        kernel would make the hot path defer ops just to replay them)."""
         with self._lock:
             node = self._roots.get(variant.segment.context)
+            path = [node]
             for op in variant.segment.ops:
                 if node is None:
                     return
                 node = node.children.get(op.signature)
-            if node is not None:
-                node.variants.pop(variant.segment.live_refs, None)
+                path.append(node)
+            if node is None:
+                return
+            node.variants.pop(variant.segment.live_refs, None)
+            for op, parent, child in zip(reversed(variant.segment.ops), reversed(path[:-1]),
+                                         reversed(path[1:])):
+                if child.variants or child.children:
+                    break
+                del parent.children[op.signature]
 
     def clear(self) -> None:
         with self._lock:

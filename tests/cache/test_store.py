@@ -1,0 +1,148 @@
+"""The SQLite store: records, deltas from many writers, damage detection, maintenance."""
+import os
+import sqlite3
+import time
+
+import pytest
+
+from adaptive_eager.cache import api
+from adaptive_eager.cache.store import TABLE, CacheError, Store
+
+
+def _update(digest, **fields):
+    base = {"digest": digest, "ops": ["%0 = aten.add.Tensor(in0:f32[4], 1)"],
+            "parts": {"context": {"torch_version": "t"}, "ops": ["aten.add.Tensor"]},
+            "state": "cold", "torch_version": "t", "fingerprint": "f"}
+    return {**base, **fields}
+
+
+def _writer(path: str) -> bool:
+    with open(path, "wb") as handle:
+        handle.write(b"kernel bytes" * 100)
+    return True
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = Store(str(tmp_path / "cache"))
+    yield store
+    store.close()
+
+
+def test_counters_are_deltas_and_cold_never_undoes_a_decision(store):
+    store.write([_update("aa11", seen=2)])
+    store.write([_update("aa11", state="ready", seen=1, fused_runs=5, compile_seconds=1.5)])
+    store.write([_update("aa11", seen=3)])              # another process, only saw it
+    record = store.get("aa11")
+    assert (record.seen, record.fused_runs, record.state) == (6, 5, "ready")
+    assert record.compile_seconds == 1.5
+
+
+def test_prefix_resolution(store):
+    store.write([_update("abc123"), _update("abd456")])
+    assert store.resolve("abc") == "abc123"
+    with pytest.raises(CacheError, match="ambiguous"):
+        store.resolve("ab")
+    with pytest.raises(CacheError, match="no segment key starts with 'ff'"):
+        store.resolve("ff")
+    with pytest.raises(CacheError, match="not a key"):
+        store.resolve("xyz")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "empty_header"])
+def test_a_damaged_database_is_set_aside_and_rebuilt(tmp_path, damage):
+    directory = tmp_path / "cache"
+    store = Store(str(directory))
+    store.write([_update("aa11", seen=1)])
+    store.close()
+    path = directory / "segments.sqlite"
+    data = path.read_bytes()
+    if damage == "garbage":
+        path.write_bytes(b"this is not a database at all" * 200)
+    elif damage == "truncate":
+        path.write_bytes(data[:len(data) // 3])
+    else:
+        path.write_bytes(b"\0" * len(data))
+    fresh = Store(str(directory))
+    assert fresh.records() == [] or fresh.set_aside
+    assert fresh.set_aside and os.path.exists(fresh.set_aside[0])
+    fresh.write([_update("bb22", seen=1)])
+    assert fresh.get("bb22").seen == 1
+    fresh.close()
+
+
+def test_the_cli_api_reports_a_corrupt_database(tmp_path):
+    directory = tmp_path / "cache"
+    first = Store(str(directory))
+    first.write([_update("aa11", seen=1)])
+    first.close()
+    (directory / "segments.sqlite").write_bytes(b"garbage" * 500)
+    with pytest.raises(CacheError, match="corrupt: set aside as .*corrupt-"):
+        api.open_store(str(directory))
+    assert api.open_store(str(directory)).records() == []       # rebuilt, usable
+    with pytest.raises(CacheError, match="no kernel cache at"):
+        api.open_store(str(tmp_path / "missing"))
+
+
+def test_artifacts_are_checked_against_size_and_checksum(store):
+    name, size, checksum = store.save_artifact("aa11", _writer)
+    store.write([_update("aa11", state="ready", artifact=name, artifact_bytes=size,
+                         artifact_xxh=checksum)])
+    record = store.get("aa11")
+    assert store.read_artifact(record) == store.artifact_path("aa11")
+    with open(store.artifact_path("aa11"), "r+b") as handle:   # truncate it
+        handle.truncate(size // 2)
+    assert store.read_artifact(record) is None
+    assert not os.path.exists(store.artifact_path("aa11"))      # removed
+
+
+def test_a_declined_or_failed_write_leaves_nothing_behind(store):
+    assert store.save_artifact("aa11", lambda path: False) is None
+
+    def crashing(path):
+        with open(path, "wb") as handle:
+            handle.write(b"half")
+        raise OSError("disk full")
+    with pytest.raises(OSError):
+        store.save_artifact("aa11", crashing)
+    assert os.listdir(store.artifact_dir) == []
+
+
+def test_verify_repairs_missing_artifacts_and_orphans(store):
+    name, size, checksum = store.save_artifact("aa11", _writer)
+    store.write([_update("aa11", state="ready", artifact=name, artifact_bytes=size,
+                         artifact_xxh=checksum)])
+    os.remove(store.artifact_path("aa11"))
+    with open(os.path.join(store.artifact_dir, "orphan.bin"), "wb") as handle:
+        handle.write(b"x")
+    report = store.verify()
+    assert not report["ok"] and len(report["problems"]) == 2
+    assert store.get("aa11").state == "cold" and store.get("aa11").artifact is None
+    assert store.verify()["ok"]
+
+
+def test_prune_by_age_and_size(store):
+    now = time.time()
+    for index, age in enumerate((10, 1000, 100000)):
+        name, size, checksum = store.save_artifact(f"a{index}", _writer)
+        store.write([_update(f"a{index}", artifact=name, artifact_bytes=size,
+                             artifact_xxh=checksum)])
+        conn = sqlite3.connect(store.db_path)
+        conn.execute(f"UPDATE {TABLE} SET last_used = ? WHERE digest = ?", (now - age, f"a{index}"))
+        conn.commit()
+        conn.close()
+    assert api.prune(store, older_than_s=50000) == 1
+    assert {r.digest for r in store.records()} == {"a0", "a1"}
+    assert api.prune(store, max_bytes=1500) == 1                # drops the older one
+    assert [r.digest for r in store.records()] == ["a0"]
+    assert not os.path.exists(store.artifact_path("a1"))
+    assert api.clear(store) == 1 and store.records() == []
+
+
+def test_durations_and_sizes_parse_or_explain():
+    assert api.parse_duration("7d") == 7 * 86400 and api.parse_duration("90") == 90
+    assert api.parse_size("500M") == 500 << 20 and api.parse_size("2GB") == 2 << 30
+    with pytest.raises(CacheError, match="not a duration"):
+        api.parse_duration("soon")
+    with pytest.raises(CacheError, match="not a size"):
+        api.parse_size("big")
