@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import logging
 import threading
+import time
 
 from adaptive_eager.cache.digest import stable_digest
 from adaptive_eager.cache.disk import DiskCache
@@ -129,11 +130,13 @@ class KeyTable:
     def _load(self, entry: KeyEntry) -> bool:
         if entry.artifact_path is None:
             return False
+        started = time.perf_counter()
         kernel = self.disk.load_kernel(entry.artifact_path, current_compiler())
         entry.saved_artifact, entry.artifact_path = entry.artifact_path, None
         if kernel is None:
             return False
         counters.add("cache_hits_disk")
+        counters.add("cache_load_seconds", time.perf_counter() - started)
         self._install(entry, kernel)
         log.info("loaded %s (%d ops) from the disk cache", entry.digest, len(entry.segment.ops))
         return True

@@ -24,6 +24,7 @@ class Stats:
     divergences: int = 0
     cache_hits_memory: int = 0
     cache_hits_disk: int = 0
+    cache_load_seconds: float = 0.0
     fallbacks: types.MappingProxyType = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))
 
@@ -46,6 +47,7 @@ class Counters:
         with self._lock:
             self._values = dict.fromkeys(self._FIELDS, 0)
             self._values["compile_seconds"] = 0.0
+            self._values["cache_load_seconds"] = 0.0
             self._fallbacks: collections.Counter[str] = collections.Counter()
 
     def add(self, name: str, amount: float = 1) -> None:
