@@ -150,7 +150,8 @@ WORKER = textwrap.dedent("""
 
 def _spawn(tmp_path, value, iterations, cache_dir):
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    if not script.exists():     # rewriting it while another worker starts could run it empty
+        script.write_text(WORKER)
     env = {**os.environ, "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(cache_dir),
            "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "2"}
     return subprocess.Popen([sys.executable, str(script), str(value), str(iterations)],
