@@ -73,7 +73,7 @@ def list_segments(store: Store, sort: str = "last-used", state: str | None = Non
 def show(store: Store, prefix: str) -> dict:
     record = store.get(store.resolve(prefix))
     info = record.as_dict()
-    path = store.artifact_path(record.digest) if record.artifact else None
+    path = store.artifact_file(record.artifact) if record.artifact else None
     info["artifact_path"] = path
     info["artifact_present"] = bool(path and os.path.exists(path))
     info["speedup"] = speedup(record)

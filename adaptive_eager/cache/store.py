@@ -34,6 +34,7 @@ FORMAT_VERSION = 1
 TABLE = f"segments_v{FORMAT_VERSION}"
 DB_NAME = "segments.sqlite"
 BUSY_TIMEOUT_S = 30.0
+STALE_TEMPORARY_S = 3600.0   # a temporary artifact this old belongs to no live writer
 
 _COLUMNS = (
     ("digest", "TEXT PRIMARY KEY"),
@@ -230,37 +231,40 @@ class Store:
             for digest in digests:
                 conn.execute(f"DELETE FROM {TABLE} WHERE digest = ?", (digest,))
         for digest in digests:
-            self.remove_artifact(digest)
+            self.remove_artifacts(digest)
         return len(digests)
 
     # ------------------------------------------------------------------ artifacts
 
-    def artifact_path(self, digest: str) -> str:
-        return os.path.join(self.artifact_dir, f"{digest}.bin")
+    def artifact_file(self, name: str) -> str:
+        return os.path.join(self.artifact_dir, name)
 
     def save_artifact(self, digest: str, write: Callable[[str], bool]) -> tuple | None:
         """Have ``write(path)`` produce the artifact, then move it into place atomically.
 
-        Returns (file name, size, checksum), or None when ``write`` declined."""
+        The file is named by digest *and* content checksum, so two processes saving the same
+        segment at once never leave a record pointing at the other's bytes. Returns
+        (file name, size, checksum), or None when ``write`` declined."""
         os.makedirs(self.artifact_dir, exist_ok=True)    # also after a `rm -rf` mid-run
-        final = self.artifact_path(digest)
-        temporary = f"{final}.tmp-{os.getpid()}-{threading.get_ident()}"
+        temporary = self.artifact_file(f"{digest}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
             if not write(temporary):
                 return None
             with open(temporary, "rb") as handle:
                 data = handle.read()
-            os.replace(temporary, final)
+            checksum = file_digest(data)
+            name = f"{digest}-{checksum}.bin"
+            os.replace(temporary, self.artifact_file(name))
         finally:
             if os.path.exists(temporary):
                 os.remove(temporary)
-        return os.path.basename(final), len(data), file_digest(data)
+        return name, len(data), checksum
 
     def read_artifact(self, record: SegmentRecord) -> str | None:
         """Path of the record's artifact if it is intact; a damaged one is removed."""
         if not record.artifact:
             return None
-        path = os.path.join(self.artifact_dir, record.artifact)
+        path = self.artifact_file(record.artifact)
         try:
             with open(path, "rb") as handle:
                 data = handle.read()
@@ -269,7 +273,7 @@ class Store:
         if len(data) != record.artifact_bytes or file_digest(data) != record.artifact_xxh:
             log.warning("cache artifact %s is damaged (size or checksum); removed, the "
                         "segment will be compiled again", path)
-            self.remove_artifact(record.digest)
+            self.remove_artifacts(record.digest)
             return None
         return path
 
@@ -278,13 +282,23 @@ class Store:
         with self._transaction() as conn:
             conn.execute(f"UPDATE {TABLE} SET artifact = NULL, artifact_bytes = NULL, "
                          f"artifact_xxh = NULL, state = 'cold' WHERE digest = ?", (digest,))
-        self.remove_artifact(digest)
+        self.remove_artifacts(digest)
 
-    def remove_artifact(self, digest: str) -> None:
+    def remove_artifacts(self, digest: str) -> None:
+        """Remove every saved artifact of ``digest`` (not files still being written)."""
         with contextlib.suppress(FileNotFoundError):
-            os.remove(self.artifact_path(digest))
+            for name in os.listdir(self.artifact_dir):
+                if name.startswith(f"{digest}-") and name.endswith(".bin"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self.artifact_file(name))
 
     # ------------------------------------------------------------------ maintenance
+
+    def _older_than(self, name: str, seconds: float) -> bool:
+        try:
+            return time.time() - os.path.getmtime(self.artifact_file(name)) > seconds
+        except OSError:
+            return False
 
     def disk_bytes(self) -> int:
         total = 0
@@ -305,7 +319,11 @@ class Store:
                 self.forget_artifact(record.digest)
         known = {record.artifact for record in records if record.artifact}
         for name in sorted(os.listdir(self.artifact_dir)):
-            if ".tmp-" in name:                # another process may be writing it right now
+            if ".tmp-" in name:                # being written now, or left by a killed writer
+                if self._older_than(name, STALE_TEMPORARY_S):
+                    problems.append(f"{name}: stale temporary file (removed)")
+                    with contextlib.suppress(OSError):
+                        os.remove(self.artifact_file(name))
                 continue
             if name not in known:
                 problems.append(f"{name}: artifact with no record (removed)")

@@ -155,9 +155,10 @@ class KeyTable:
         self._install(entry, kernel)
         artifact = self.disk.save_kernel(entry.digest, kernel, compiler) if self.disk else {}
         if artifact:
-            entry.saved_artifact = self.disk.store.artifact_path(entry.digest)
+            entry.saved_artifact = self.disk.store.artifact_file(artifact["artifact"])
         self._note(entry, state=entry.state.value, reason=None, compile_seconds=seconds,
                    **artifact)
+        self.flush()                       # a decision other processes can use right away
         log.info("compiled %s (%d ops) in %.2fs with %s", entry.digest,
                  len(entry.segment.ops), seconds, compiler.name)
 

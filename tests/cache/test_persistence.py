@@ -63,7 +63,7 @@ def test_a_truncated_artifact_is_compiled_again(compiler, caplog):
     x = torch.randn(16)
     _run(x)
     [record] = Store(config.CACHE_DIR).records()
-    path = Store(config.CACHE_DIR).artifact_path(record.digest)
+    path = Store(config.CACHE_DIR).artifact_file(record.artifact)
     with open(path, "r+b") as handle:
         handle.truncate(10)
     _restart()

@@ -89,11 +89,12 @@ def test_artifacts_are_checked_against_size_and_checksum(store):
     store.write([_update("aa11", state="ready", artifact=name, artifact_bytes=size,
                          artifact_xxh=checksum)])
     record = store.get("aa11")
-    assert store.read_artifact(record) == store.artifact_path("aa11")
-    with open(store.artifact_path("aa11"), "r+b") as handle:   # truncate it
+    path = store.artifact_file(name)
+    assert name == f"aa11-{checksum}.bin" and store.read_artifact(record) == path
+    with open(path, "r+b") as handle:                           # truncate it
         handle.truncate(size // 2)
     assert store.read_artifact(record) is None
-    assert not os.path.exists(store.artifact_path("aa11"))      # removed
+    assert not os.path.exists(path)                             # removed
 
 
 def test_a_declined_or_failed_write_leaves_nothing_behind(store):
@@ -112,7 +113,7 @@ def test_verify_repairs_missing_artifacts_and_orphans(store):
     name, size, checksum = store.save_artifact("aa11", _writer)
     store.write([_update("aa11", state="ready", artifact=name, artifact_bytes=size,
                          artifact_xxh=checksum)])
-    os.remove(store.artifact_path("aa11"))
+    os.remove(store.artifact_file(name))
     with open(os.path.join(store.artifact_dir, "orphan.bin"), "wb") as handle:
         handle.write(b"x")
     report = store.verify()
@@ -135,7 +136,7 @@ def test_prune_by_age_and_size(store):
     assert {r.digest for r in store.records()} == {"a0", "a1"}
     assert api.prune(store, max_bytes=1500) == 1                # drops the older one
     assert [r.digest for r in store.records()] == ["a0"]
-    assert not os.path.exists(store.artifact_path("a1"))
+    assert os.listdir(store.artifact_dir) == [store.get("a0").artifact]
     assert api.clear(store) == 1 and store.records() == []
 
 
@@ -146,3 +147,42 @@ def test_durations_and_sizes_parse_or_explain():
         api.parse_duration("soon")
     with pytest.raises(CacheError, match="not a size"):
         api.parse_size("big")
+
+
+KILLED_WRITER = """
+import sys
+from adaptive_eager.cache.store import Store
+store = Store(sys.argv[1])
+def write(path):
+    with open(path, "wb") as handle:
+        handle.write(b"k" * 200000)
+    return True
+print("started", flush=True)
+for i in range(1000000):
+    digest = f"{i:016x}"
+    name, size, checksum = store.save_artifact(digest, write)
+    store.write([{"digest": digest, "ops": ["op"], "parts": {"context": {}}, "state": "ready",
+                  "torch_version": "t", "fingerprint": "f", "artifact": name,
+                  "artifact_bytes": size, "artifact_xxh": checksum, "seen": 1}])
+"""
+
+
+def test_kill_9_mid_write_loses_at_most_that_entry(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    directory = tmp_path / "cache"
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(directory)],
+                              stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "started"
+    time.sleep(1.5)
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(timeout=60)
+    store = Store(str(directory))
+    records = store.records()
+    assert records and not store.set_aside                     # the database is intact
+    for record in records:                                     # every record's artifact too
+        assert store.read_artifact(record) is not None, record.digest
+    report = store.verify()
+    assert all("no record" in problem for problem in report["problems"])   # at most orphans
+    store.close()
