@@ -1,6 +1,7 @@
 """The public API: enable / disable / enabled / sync / stats."""
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
@@ -27,6 +28,8 @@ def _configure_logging() -> None:
     handler; for info/debug a handler is added, unless the program configured logging."""
     logger = logging.getLogger("adaptive_eager")
     level = config.LOG
+    if level is None:
+        return
     logger.setLevel(logging.CRITICAL + 1 if level == "off" else level.upper())
     if level in ("info", "debug") and not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
@@ -34,10 +37,30 @@ def _configure_logging() -> None:
         logger.addHandler(handler)
 
 
+_report_registered = False
+
+
+def _register_exit_report() -> None:
+    """NEURON_ADAPTIVE_EAGER_REPORT: write the report when the process exits (once)."""
+    global _report_registered
+    if config.REPORT and not _report_registered:
+        _report_registered = True
+        atexit.register(_exit_report, config.REPORT)
+
+
+def _exit_report(target: str) -> None:
+    from adaptive_eager.runtime.report import write_report
+    try:
+        write_report(target)
+    except Exception as err:  # a report must never turn a clean exit into a crash
+        logging.getLogger("adaptive_eager").warning("exit report not written: %s", err)
+
+
 def enable() -> None:
     """Run this thread's aten ops under the adaptive runtime until ``disable()``."""
     config.validate_all()
     _configure_logging()
+    _register_exit_report()
     runtime = engine.Runtime()
     mode = AdaptiveMode(runtime)
     escapes.install()

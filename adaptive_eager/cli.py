@@ -50,6 +50,8 @@ def _add_cache_parser(commands) -> None:
     prune.add_argument("--older-than", help="e.g. 7d, 12h, 30m")
     prune.add_argument("--max-size", help="keep artifacts under this size, e.g. 500M")
     action("verify", "check the database and every artifact")
+    action("disable", "never fuse this key (bisecting); the cache is kept").add_argument("key")
+    action("enable", "fuse this key again").add_argument("key")
 
 
 def _run_script(options: argparse.Namespace) -> int:
@@ -198,7 +200,19 @@ def _cache_verify(api, store, options) -> int:
     return 0 if report["ok"] else 1
 
 
-_CACHE_ACTIONS = {"ls": _cache_ls, "show": _cache_show, "explain": _cache_explain,
+def _cache_disable(api, store, options) -> int:
+    digest = api.disable(store, options.key)
+    return _emit(options, {"disabled": digest},
+                 lambda p: print(f"{p['disabled']}: fusion disabled (new processes run it per-op)"))
+
+
+def _cache_enable(api, store, options) -> int:
+    digest = api.enable(store, options.key)
+    return _emit(options, {"enabled": digest},
+                 lambda p: print(f"{p['enabled']}: fusion enabled again"))
+
+
+_CACHE_ACTIONS = {"disable": _cache_disable, "enable": _cache_enable, "ls": _cache_ls, "show": _cache_show, "explain": _cache_explain,
                   "stats": _cache_stats, "clear": _cache_clear, "prune": _cache_prune,
                   "verify": _cache_verify}
 

@@ -53,6 +53,37 @@ def _log_level(text: str) -> str:
     return lowered
 
 
+def _verify_mode(text: str) -> str:
+    lowered = text.strip().lower()
+    if lowered in ("0", "off", "false", "no", ""):
+        return "off"
+    if lowered in ("1", "on", "true", "yes"):
+        return "on"
+    if lowered == "strict":
+        return "strict"
+    raise ValueError("expected 0 (off), 1 (log, demote and go on) or strict (raise)")
+
+
+def _report_target(text: str) -> str:
+    lowered = text.strip().lower()
+    if lowered in ("0", "off", "false", "no", ""):
+        return ""
+    if lowered in ("1", "on", "true", "yes", "stderr"):
+        return "stderr"
+    if not lowered.endswith(".json"):
+        raise ValueError("expected 0, 1 (stderr) or a path ending in .json")
+    return text.strip()
+
+
+def _key_prefixes(text: str) -> tuple:
+    prefixes = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+    for prefix in prefixes:
+        if any(c not in "0123456789abcdef" for c in prefix):
+            raise ValueError(f"{prefix!r} is not a key prefix: expected comma-separated "
+                             "hexadecimal digest prefixes, as `adaptive-eager cache ls` shows")
+    return prefixes
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "adaptive_eager")
@@ -88,8 +119,20 @@ SETTINGS: tuple[Setting, ...] = (
             "Where compiled kernels and segment records are kept (shared by processes)."),
     Setting("CACHE_SIZE", _positive_int, lambda: 256,
             "Compiled kernels kept loaded in memory; the least recently used are evicted."),
-    Setting("LOG", _log_level, lambda: "warning",
-            "Verbosity of the 'adaptive_eager' logger: off, warning, info or debug."),
+    Setting("LOG", _log_level, lambda: None,
+            "Decision log on the 'adaptive_eager' logger: off, warning, info (each key "
+            "decision) or debug (also divergences and per-op fallbacks). Unset: the program's "
+            "logging configuration decides (warnings show)."),
+    Setting("VERIFY", _verify_mode, lambda: "off",
+            "1: also run every fused segment per-op on copies of its inputs and compare; a "
+            "mismatch is logged, the key demoted to per-op, the per-op result kept. strict: "
+            "raise instead. Slow: for debugging."),
+    Setting("REPORT", _report_target, lambda: "",
+            "1: print a report at exit (counters, top segments by time saved, fallbacks by "
+            "reason, compile time) to stderr; a path ending in .json: write it there."),
+    Setting("DISABLE_KEYS", _key_prefixes, lambda: (),
+            "Comma-separated key prefixes never to fuse (bisecting a numerical difference "
+            "without clearing the cache)."),
 )
 _BY_NAME = {setting.name: setting for setting in SETTINGS}
 

@@ -137,6 +137,22 @@ def cache_stats(store: Store) -> dict:
     }
 
 
+def disable(store: Store, prefix: str) -> str:
+    """Never fuse this key again (until ``enable``); its kernel stays cached. For bisecting."""
+    digest = store.resolve(prefix)
+    store.set_state(digest, "disabled", "disabled with `adaptive-eager cache disable`")
+    return digest
+
+
+def enable(store: Store, prefix: str) -> str:
+    """Undo ``disable``: the key is fused again once it turns hot (in processes started now)."""
+    digest = store.resolve(prefix)
+    record = store.get(digest)
+    if record.state == "disabled":
+        store.set_state(digest, "ready" if record.artifact else "cold", None)
+    return digest
+
+
 def clear(store: Store) -> int:
     """Remove every record and artifact; returns how many records went."""
     return store.delete([r.digest for r in store.records()])

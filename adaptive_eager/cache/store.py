@@ -226,6 +226,12 @@ class Store:
                              f"{', ...' if len(rows) > 5 else ''}")
         return rows[0][0]
 
+    def set_state(self, digest: str, state: str, reason: str | None) -> None:
+        """Set a record's state outright (the CLI's disable/enable), whatever it was."""
+        with self._transaction() as conn:
+            conn.execute(f"UPDATE {TABLE} SET state = ?, reason = ? WHERE digest = ?",
+                         (state, reason, digest))
+
     def delete(self, digests: list[str]) -> int:
         with self._transaction() as conn:
             for digest in digests:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from typing import Any, Iterator
 
@@ -27,6 +28,8 @@ from adaptive_eager.config import config
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
 from adaptive_eager.runtime.buffers import BufferPool
+from adaptive_eager.runtime.decisions import decide
+from adaptive_eager.runtime.verify import Verification, VerificationError
 from adaptive_eager.runtime.graph import run_eagerly
 from adaptive_eager.runtime.policy import KeyTable
 from adaptive_eager.runtime.segment import SegmentBuilder, flatten_outputs, unflatten_outputs
@@ -111,6 +114,21 @@ def _run_kernel(kernel, inputs: list, buffers: list) -> None:
     changed = [(t, v) for t, v in zip(inputs, versions) if v is not None and t._version != v]
     if changed:
         torch._C._autograd._unsafe_set_version_counter(*zip(*changed))
+
+
+def _first_variant_digest(node: TrieNode) -> str:
+    """A key the diverging run was heading for (for the decision log)."""
+    while not node.variants and node.children:
+        node = next(iter(node.children.values()))
+    return next(iter(node.variants.values())).entry.digest if node.variants else "-"
+
+
+def _profiler_range(variant):
+    """A named range per fused run when torch.profiler records (Chrome trace, TensorBoard)."""
+    if not torch.autograd.profiler._is_profiler_enabled:
+        return contextlib.nullcontext()
+    name = f"adaptive_eager.fused[{variant.entry.digest}] ops={len(variant.segment.ops)}"
+    return torch.autograd.profiler.record_function(name)
 
 
 def _argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
@@ -232,7 +250,9 @@ class Runtime:
 
     def _run_boundary(self, func, args: tuple, kwargs: dict, reason: Reason) -> Any:
         self._end_segment()
-        counters.fallback(getattr(reason, "value", reason))
+        reason = getattr(reason, "value", reason)
+        counters.fallback(reason)
+        decide("fallback", reason=reason, op=func)
         self._per_op += 1
         return func(*args, **kwargs)
 
@@ -268,7 +288,8 @@ class Runtime:
             return
         builder, self._builder = self._builder, None
         if builder:
-            self.table.observe(builder.finish(builder.live_refs()))
+            seconds = time.perf_counter() - builder.started
+            self.table.observe(builder.finish(builder.live_refs()), seconds)
 
     def _end_hot(self) -> bool:
         """Finish a deferred run: fused if a kernel fits, else replayed per-op.
@@ -279,7 +300,12 @@ class Runtime:
         builder = self._builder
         live = builder.live_refs()
         variant = self._pick_variant(node, builder, live)
-        if variant is not None and self._run_fused(variant, builder):
+        try:
+            fused = variant is not None and self._run_fused(variant, builder)
+        except VerificationError:
+            self._builder = None               # finished per-op; the user gets the error
+            raise
+        if fused:
             self._builder = None
             return True
         targets = [(ref, builder.live_tensor(ref)) for ref in live]
@@ -293,6 +319,7 @@ class Runtime:
         if variant is None or len(builder.inputs) != len(variant.segment.input_metas):
             counters.add("divergences")        # other ops, live outputs or input aliasing
             counters.fallback("divergence")
+            decide("divergence", key=_first_variant_digest(node), at_op=len(builder))
             return None
         if variant.mutates and _inputs_share_memory(builder.inputs):
             counters.fallback("aliased_inputs")
@@ -304,12 +331,23 @@ class Runtime:
         buffers = [builder.live_tensor(ref) for ref in segment.live_refs]
         buffers = [self.pool.empty(segment.out_meta(ref)) if t is None else t
                    for ref, t in zip(segment.live_refs, buffers)]
+        checker = Verification(segment, builder.inputs) if config.VERIFY != "off" else None
         try:
-            _run_kernel(variant.kernel, builder.inputs, buffers)
+            with _profiler_range(variant):
+                _run_kernel(variant.kernel, builder.inputs, buffers)
         except Exception as err:  # a kernel that fails at run time is dropped, not fatal
-            self.table.kernel_failed(variant, err)
+            self.table.demote(variant, f"kernel_error: {type(err).__name__}: {err}")
             return False
+        seconds = time.perf_counter() - builder.started
+        if checker is not None and not checker.passes(buffers, builder.inputs):
+            digest = variant.entry.digest
+            decide("verify_mismatch", key=digest, max_error=checker.max_error,
+                   ops=" ".join(str(op.func) for op in variant.segment.ops))
+            checker.keep_per_op_result(buffers, builder.inputs)
+            self.table.demote(variant, checker.reason)
+            if config.VERIFY == "strict":
+                raise VerificationError(checker.message(digest))
         counters.add("fused_executions")
         counters.add("fused_ops", len(builder))
-        self.table.touch(variant)
+        self.table.touch(variant, seconds)
         return True

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import logging
 import threading
 import time
 
@@ -20,12 +19,11 @@ from adaptive_eager.cache.memory import KernelLRU
 from adaptive_eager.cache.store import SegmentRecord
 from adaptive_eager.config import config
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
+from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.describe import key_parts, op_lines
 from adaptive_eager.runtime.segment import Segment
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, Variant
-
-log = logging.getLogger("adaptive_eager")
 
 MIN_COMPUTE_OPS = 2   # a single op gains nothing from fusion and pays the hot-path overhead
 
@@ -34,8 +32,9 @@ class KeyState(str, enum.Enum):
     COLD = "cold"              # seen fewer than HOT_THRESHOLD times (or its kernel was evicted)
     HOT = "hot"                # hot, but compilation is off (COMPILE=0)
     READY = "ready"            # has a kernel; the hot path replays it fused
-    FAILED = "failed"          # compile or kernel failed: per-op for good (negative entry)
+    FAILED = "failed"          # compile, kernel or verification failed: per-op for good
     UNFUSIBLE = "unfusible"    # hot, but nothing worth fusing (e.g. a single op)
+    DISABLED = "disabled"      # the user turned fusion off for this key (bisecting)
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,6 +48,26 @@ class KeyEntry:
     reason: str | None = None
     artifact_path: str | None = None   # an artifact to load when it turns hot (again)
     saved_artifact: str | None = None  # where this process saved its kernel
+    eager_seconds: float = 0.0         # wall time of per-op runs (under the runtime)
+    eager_runs: int = 0
+    fused_seconds: float = 0.0         # wall time of fused runs, deferral included
+    timed_fused_runs: int = 0
+
+    @property
+    def eager_ms(self) -> float | None:
+        return self.eager_seconds / self.eager_runs * 1e3 if self.eager_runs else None
+
+    @property
+    def fused_ms(self) -> float | None:
+        return self.fused_seconds / self.timed_fused_runs * 1e3 if self.timed_fused_runs \
+            else None
+
+    @property
+    def saved_seconds(self) -> float:
+        """Time fusion saved so far: (per-op time - fused time) x fused runs."""
+        if self.eager_ms is None or self.fused_ms is None:
+            return 0.0
+        return (self.eager_ms - self.fused_ms) / 1e3 * self.fused_runs
 
 
 def unfusible_reason(segment: Segment) -> str | None:
@@ -78,15 +97,18 @@ class KeyTable:
 
     # ------------------------------------------------------------------ observing
 
-    def observe(self, segment: Segment) -> KeyEntry:
-        """Count one recorded occurrence of ``segment``; get it a kernel when it turns hot."""
+    def observe(self, segment: Segment, seconds: float = 0.0) -> KeyEntry:
+        """Count one per-op run of ``segment`` (taking ``seconds``); get it a kernel when it
+        turns hot."""
         counters.add("segments_recorded")
         with self._lock:
             entry = self._entries.get(segment.key)
             if entry is None:
                 entry = self._entries[segment.key] = self._new_entry(segment)
             entry.seen += 1
-            self._note(entry, seen=1)
+            entry.eager_seconds += seconds
+            entry.eager_runs += 1
+            self._note(entry, seen=1, eager_ms=entry.eager_ms)
             threshold = 1 if entry.artifact_path else config.HOT_THRESHOLD
             if entry.state is KeyState.COLD and entry.seen >= threshold:
                 self._turn_hot(entry)
@@ -106,20 +128,28 @@ class KeyTable:
 
     def _apply_history(self, entry: KeyEntry, record: SegmentRecord) -> None:
         """What an earlier process learned about this key."""
-        if record.state == KeyState.FAILED.value:
-            entry.state, entry.reason = KeyState.FAILED, record.reason
+        if record.state in (KeyState.FAILED.value, KeyState.DISABLED.value):
+            entry.state, entry.reason = KeyState(record.state), record.reason
         elif record.state == KeyState.READY.value:
             entry.artifact_path = self.disk.loadable_artifact(record, current_compiler().name)
 
     def _turn_hot(self, entry: KeyEntry) -> None:
         counters.add("hot_keys")
+        decide("hot", key=entry.digest, ops=len(entry.segment.ops), seen=entry.seen)
         reason = unfusible_reason(entry.segment)
         if reason is not None:
             entry.state, entry.reason = KeyState.UNFUSIBLE, reason
             counters.fallback(reason)
+            decide("unfusible", key=entry.digest, reason=reason)
+        elif entry.digest.startswith(config.DISABLE_KEYS or ("\0",)):
+            entry.state, entry.reason = KeyState.DISABLED, "NEURON_ADAPTIVE_EAGER_DISABLE_KEYS"
+            counters.fallback("disabled_key")
+            decide("disabled", key=entry.digest, by=entry.reason)
+            return                         # a setting of this run, not a stored decision
         elif not config.COMPILE:
             entry.state, entry.reason = KeyState.HOT, "compile_disabled"
             counters.fallback("compile_disabled")
+            decide("compile_disabled", key=entry.digest)
         elif not self._load(entry):
             self._compile(entry)
             return
@@ -136,9 +166,10 @@ class KeyTable:
         if kernel is None:
             return False
         counters.add("cache_hits_disk")
-        counters.add("cache_load_seconds", time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        counters.add("cache_load_seconds", seconds)
         self._install(entry, kernel)
-        log.info("loaded %s (%d ops) from the disk cache", entry.digest, len(entry.segment.ops))
+        decide("loaded", key=entry.digest, ops=len(entry.segment.ops), seconds=seconds)
         return True
 
     def _compile(self, entry: KeyEntry) -> None:
@@ -159,8 +190,8 @@ class KeyTable:
         self._note(entry, state=entry.state.value, reason=None, compile_seconds=seconds,
                    **artifact)
         self.flush()                       # a decision other processes can use right away
-        log.info("compiled %s (%d ops) in %.2fs with %s", entry.digest,
-                 len(entry.segment.ops), seconds, compiler.name)
+        decide("compiled", key=entry.digest, ops=len(entry.segment.ops), seconds=seconds,
+               compiler=compiler.name)
 
     def _install(self, entry: KeyEntry, kernel) -> None:
         entry.state = KeyState.READY
@@ -170,16 +201,21 @@ class KeyTable:
     def _evicted(self, digest: str, variant: Variant) -> None:
         self.trie.remove(variant)
         entry = variant.entry
+        decide("evicted", key=digest)
         if entry.state is KeyState.READY:
             entry.state = KeyState.COLD              # hot again at next sight: load or compile
             entry.artifact_path = entry.saved_artifact or entry.artifact_path
 
-    def touch(self, variant: Variant) -> None:
-        """A fused run used ``variant``: count it and keep its kernel recently used."""
+    def touch(self, variant: Variant, seconds: float) -> None:
+        """A fused run of ``variant`` took ``seconds``: count it, keep its kernel recently
+        used."""
         self.kernels.get(variant.entry.digest)
         counters.add("cache_hits_memory")
-        variant.entry.fused_runs += 1
-        self._note(variant.entry, fused_runs=1)
+        entry = variant.entry
+        entry.fused_runs += 1
+        entry.fused_seconds += seconds
+        entry.timed_fused_runs += 1
+        self._note(entry, fused_runs=1, fused_ms=entry.fused_ms)
         self.maybe_flush()
 
     # ------------------------------------------------------------------ failures
@@ -189,15 +225,14 @@ class KeyTable:
         counters.fallback("compile_failed" if reason.startswith("compile_error") else
                           reason.split(":")[0])
         self._note(entry, state=entry.state.value, reason=reason)
-        log.warning("segment %s (%s) will run per-op: %s", entry.digest,
-                    entry.segment.describe()[:200], reason)
+        decide("failed", key=entry.digest, ops=entry.segment.describe()[:100], reason=reason)
 
-    def kernel_failed(self, variant: Variant, err: Exception) -> None:
-        """A compiled kernel raised at run time: never replay it again."""
+    def demote(self, variant: Variant, reason: str) -> None:
+        """Never replay ``variant`` again (its kernel raised, or verification failed)."""
         with self._lock:
             self.trie.remove(variant)
             self.kernels.pop(variant.entry.digest, None)
-            self.mark_failed(variant.entry, f"kernel_error: {type(err).__name__}: {err}"[:500])
+            self.mark_failed(variant.entry, reason[:500])
 
     # ------------------------------------------------------------------ persistence
 

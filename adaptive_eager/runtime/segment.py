@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import weakref
 from typing import Any, NamedTuple
 
@@ -95,6 +96,7 @@ class SegmentBuilder:
 
     def __init__(self, context: tuple) -> None:
         self.context = context
+        self.started = time.perf_counter()             # a segment's wall time starts here
         self.ops: list[OpRecord] = []
         self.inputs: list[torch.Tensor] = []           # strong: fused kernels read them at the end
         self._known: dict[int, tuple[weakref.ref, Ref]] = {}
