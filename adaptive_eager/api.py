@@ -11,6 +11,7 @@ from adaptive_eager.config import config
 from adaptive_eager.dispatch import escapes
 from adaptive_eager.dispatch.mode import AdaptiveMode
 from adaptive_eager.runtime import engine
+from adaptive_eager.runtime.policy import unfreeze_gc
 from adaptive_eager.runtime.stats import Stats, counters
 
 _local = threading.local()
@@ -79,6 +80,8 @@ def disable() -> None:
     finally:
         mode.__exit__(None, None, None)
         escapes.uninstall()
+        if not engine.live_runtimes():
+            unfreeze_gc()              # user objects frozen with Inductor's become collectable
 
 
 def is_enabled() -> bool:

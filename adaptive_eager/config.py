@@ -112,6 +112,16 @@ SETTINGS: tuple[Setting, ...] = (
             "How many times a segment key must be seen before it is compiled."),
     Setting("MAX_SEGMENT_OPS", _positive_int, lambda: 64,
             "Longest segment, in aten ops; longer runs are cut."),
+    Setting("MIN_SEGMENT_US", _non_negative_int, lambda: 100,
+            "Segments whose ops compute for less than this (microseconds per run, measured "
+            "per-op) are never compiled: fusion could not repay its own overhead."),
+    Setting("KEEP_UNPROFITABLE", _parse_bool, lambda: False,
+            "1: keep every compiled kernel even when its runs are no faster than per-op "
+            "(normally such keys go back to per-op for good, as 'unprofitable')."),
+    Setting("MAX_SHAPE_VARIANTS", _positive_int, lambda: 8,
+            "Compiled shape variants per segment structure; past that, new shapes of it run "
+            "per-op (megamorphic), so a loop of ever-new shapes compiles a bounded number of "
+            "times."),
     Setting("BUFFER_POOL_MB", _non_negative_int, lambda: 1024,
             "Memory (MiB) kept to reuse for large deferred outputs (saves page faults); "
             "0 disables the pool."),

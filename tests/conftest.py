@@ -31,13 +31,15 @@ from adaptive_eager.runtime.compiler import CountingCompiler, InductorCompiler, 
 @pytest.fixture(autouse=True)
 def fresh_runtime(request, tmp_path):
     """Empty key table, counters and cache directory; HOT_THRESHOLD=2; the counting compiler
-    unless the test is marked inductor."""
+    unless the test is marked inductor. Tiny test tensors would never pass the adaptive
+    policy's cost gates, so tests of the mechanics switch them off (test_adaptive turns them
+    back on)."""
     config.reload()
     ae.reset()
     compiler = InductorCompiler() if request.node.get_closest_marker("inductor") else \
         CountingCompiler()
-    with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache")), \
-            use_compiler(compiler):
+    with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache"), MIN_SEGMENT_US=0,
+                      KEEP_UNPROFITABLE=True), use_compiler(compiler):
         yield compiler
     leaked = ae.is_enabled()
     while ae.is_enabled():

@@ -8,7 +8,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager.cli import main
-from helpers import assert_equal
+from helpers import MECHANICS_ENV, assert_equal
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -40,7 +40,7 @@ def test_run_no_compile_in_a_subprocess(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "adaptive_eager", "run", "--no-compile", str(script), "1.0",
          str(tmp_path / "y.pt")], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "1"})
+        env={**os.environ, **MECHANICS_ENV, "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "1"})
     assert result.returncode == 0, result.stderr
     assert "enabled True" in result.stdout and "compiles 0" in result.stdout
 

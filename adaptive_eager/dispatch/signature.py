@@ -129,6 +129,15 @@ def without_input_identity(encoded: Any) -> Any:
     return encoded
 
 
+def without_shapes(encoded: Any) -> Any:
+    """``encoded`` with tensor shapes and strides reduced to ranks: the call's structure."""
+    if isinstance(encoded, TensorArg):
+        return (encoded.ref, len(encoded.shape), encoded.dtype, encoded.device)
+    if isinstance(encoded, tuple) and not isinstance(encoded, ScalarArg):
+        return tuple([without_shapes(item) for item in encoded])
+    return encoded
+
+
 def is_cpu_scalar(arg: TensorArg) -> bool:
     """0-dim CPU tensors (wrapped Python numbers) may sit beside tensors of any device."""
     return arg.device.type == "cpu" and not arg.shape

@@ -28,6 +28,8 @@ DECISIONS = {
     "compile_disabled": (logging.INFO, "key"),
     "disabled": (logging.INFO, "key"),
     "verify_mismatch": (logging.WARNING, "key"),
+    "unprofitable": (logging.INFO, "key"),
+    "megamorphic": (logging.INFO, "key"),
     "evicted": (logging.DEBUG, "key"),
     "divergence": (logging.DEBUG, "key"),
     "fallback": (logging.DEBUG, "reason"),

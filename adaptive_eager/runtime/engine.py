@@ -257,7 +257,9 @@ class Runtime:
         return func(*args, **kwargs)
 
     def _run_cold(self, func, op_class: OpClass, args, kwargs, signature) -> Any:
+        started = time.perf_counter()
         out = func(*args, **kwargs)
+        self._builder.compute_seconds += time.perf_counter() - started
         if op_class.written_lists:
             _bump_versions(op_class, args, kwargs)
         self._per_op += 1
@@ -289,7 +291,8 @@ class Runtime:
         builder, self._builder = self._builder, None
         if builder:
             seconds = time.perf_counter() - builder.started
-            self.table.observe(builder.finish(builder.live_refs()), seconds)
+            self.table.observe(builder.finish(builder.live_refs()), seconds,
+                               builder.compute_seconds)
 
     def _end_hot(self) -> bool:
         """Finish a deferred run: fused if a kernel fits, else replayed per-op.

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import gc
+import statistics
 import threading
 import time
 
@@ -18,6 +20,7 @@ from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.cache.memory import KernelLRU
 from adaptive_eager.cache.store import SegmentRecord
 from adaptive_eager.config import config
+from adaptive_eager.dispatch.signature import without_shapes
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.describe import key_parts, op_lines
@@ -26,6 +29,9 @@ from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, Variant
 
 MIN_COMPUTE_OPS = 2   # a single op gains nothing from fusion and pays the hot-path overhead
+PROFIT_SAMPLES = 3    # fused runs timed (after a first, warm-up run) before judging a kernel
+PROFIT_MARGIN = 0.10  # a kernel must beat per-op by this fraction to be kept
+TIMING_SAMPLES = 8    # recent wall times kept per key and mode
 
 
 class KeyState(str, enum.Enum):
@@ -35,6 +41,8 @@ class KeyState(str, enum.Enum):
     FAILED = "failed"          # compile, kernel or verification failed: per-op for good
     UNFUSIBLE = "unfusible"    # hot, but nothing worth fusing (e.g. a single op)
     DISABLED = "disabled"      # the user turned fusion off for this key (bisecting)
+    UNPROFITABLE = "unprofitable"  # its kernel ran no faster than per-op: per-op for good
+    MEGAMORPHIC = "megamorphic"    # its structure came in too many shapes to compile each
 
 
 @dataclasses.dataclass(eq=False)
@@ -48,19 +56,28 @@ class KeyEntry:
     reason: str | None = None
     artifact_path: str | None = None   # an artifact to load when it turns hot (again)
     saved_artifact: str | None = None  # where this process saved its kernel
-    eager_seconds: float = 0.0         # wall time of per-op runs (under the runtime)
-    eager_runs: int = 0
-    fused_seconds: float = 0.0         # wall time of fused runs, deferral included
-    timed_fused_runs: int = 0
+    compute_seconds: float = float("inf")  # least time inside the ops of one per-op run
+                                           # (the first runs pay one-time costs)
+    eager_samples: list = dataclasses.field(default_factory=list)   # per-op run wall times
+    fused_samples: list = dataclasses.field(default_factory=list)   # fused run wall times
+    judged: bool = False               # profitability decided
 
     @property
     def eager_ms(self) -> float | None:
-        return self.eager_seconds / self.eager_runs * 1e3 if self.eager_runs else None
+        """Median wall time of a per-op run (under the runtime), recent runs."""
+        return statistics.median(self.eager_samples) * 1e3 if self.eager_samples else None
 
     @property
     def fused_ms(self) -> float | None:
-        return self.fused_seconds / self.timed_fused_runs * 1e3 if self.timed_fused_runs \
-            else None
+        """Median wall time of a fused run (deferral and kernel), recent runs after the
+        first (which pays one-time costs)."""
+        timed = self.fused_samples[1:] or self.fused_samples
+        return statistics.median(timed) * 1e3 if timed else None
+
+    def add_sample(self, samples: list, seconds: float) -> None:
+        samples.append(seconds)
+        if len(samples) > TIMING_SAMPLES:
+            del samples[1:2]               # keep the first (warm-up) and the latest
 
     @property
     def saved_seconds(self) -> float:
@@ -70,12 +87,40 @@ class KeyEntry:
         return (self.eager_ms - self.fused_ms) / 1e3 * self.fused_runs
 
 
-def unfusible_reason(segment: Segment) -> str | None:
+def unfusible_reason(segment: Segment, entry: KeyEntry) -> str | None:
     if segment.compute_ops < MIN_COMPUTE_OPS:
         return "too_few_ops"
+    if entry.compute_seconds * 1e6 < config.MIN_SEGMENT_US:
+        return "too_cheap"                 # see NEURON_ADAPTIVE_EAGER_MIN_SEGMENT_US
     if any(_overlaps_itself(segment.out_meta(ref)) for ref in segment.live_refs):
         return "overlapping_output"        # a kernel cannot write one memory cell twice
     return None
+
+
+_gc_frozen = False
+
+
+def freeze_gc_after_inductor() -> None:
+    """Note [GC stalls]: importing Inductor leaves ~377k long-lived objects that every full
+    collection walks again (~200 ms stalls, DESIGN.md). Freezing them once, after the first
+    kernel arrives, takes them out of collections. ``unfreeze_gc`` undoes it on disable()."""
+    global _gc_frozen
+    if not _gc_frozen:
+        _gc_frozen = True
+        gc.freeze()
+
+
+def unfreeze_gc() -> None:
+    global _gc_frozen
+    if _gc_frozen:
+        _gc_frozen = False
+        gc.unfreeze()
+
+
+def structure_of(segment: Segment) -> tuple:
+    """The key without shapes and strides (see Note [Megamorphic])."""
+    return (segment.context, tuple((op.func, without_shapes(op.args), without_shapes(op.kwargs))
+                                   for op in segment.ops), segment.live_refs)
 
 
 def _overlaps_itself(meta) -> bool:
@@ -89,6 +134,7 @@ class KeyTable:
         self.disk = disk
         self.kernels = KernelLRU(memory_size or config.CACHE_SIZE, self._evicted)
         self._entries: dict[tuple, KeyEntry] = {}
+        self._structures: dict[tuple, int] = {}    # structure -> shape variants seen
         self._lock = threading.RLock()
 
     def entries(self) -> list[KeyEntry]:
@@ -97,17 +143,18 @@ class KeyTable:
 
     # ------------------------------------------------------------------ observing
 
-    def observe(self, segment: Segment, seconds: float = 0.0) -> KeyEntry:
-        """Count one per-op run of ``segment`` (taking ``seconds``); get it a kernel when it
-        turns hot."""
+    def observe(self, segment: Segment, seconds: float = 0.0,
+                compute_seconds: float = 0.0) -> KeyEntry:
+        """Count one per-op run of ``segment``: ``seconds`` of wall time, ``compute_seconds``
+        of it inside the ops. Gets the key a kernel when it turns hot."""
         counters.add("segments_recorded")
         with self._lock:
             entry = self._entries.get(segment.key)
             if entry is None:
                 entry = self._entries[segment.key] = self._new_entry(segment)
             entry.seen += 1
-            entry.eager_seconds += seconds
-            entry.eager_runs += 1
+            entry.compute_seconds = min(entry.compute_seconds, compute_seconds)
+            entry.add_sample(entry.eager_samples, seconds)
             self._note(entry, seen=1, eager_ms=entry.eager_ms)
             threshold = 1 if entry.artifact_path else config.HOT_THRESHOLD
             if entry.state is KeyState.COLD and entry.seen >= threshold:
@@ -124,11 +171,27 @@ class KeyTable:
             record = self.disk.lookup(entry.digest)
             if record is not None:
                 self._apply_history(entry, record)
+        self._count_shape_variant(entry)
         return entry
+
+    def _count_shape_variant(self, entry: KeyEntry) -> None:
+        """Note [Megamorphic]: keys that differ only in shapes and strides share a structure.
+        Past MAX_SHAPE_VARIANTS of one structure, new ones are not compiled, which bounds the
+        compiles of a loop over ever-new shapes."""
+        structure = structure_of(entry.segment)
+        variants = self._structures.get(structure, 0) + 1
+        self._structures[structure] = variants
+        if variants > config.MAX_SHAPE_VARIANTS and entry.state is KeyState.COLD:
+            entry.state = KeyState.MEGAMORPHIC
+            entry.reason = f"more than {config.MAX_SHAPE_VARIANTS} shape variants"
+            counters.fallback("megamorphic")
+            decide("megamorphic", key=entry.digest, variants=variants)
+            self._note(entry, state=entry.state.value, reason=entry.reason)
 
     def _apply_history(self, entry: KeyEntry, record: SegmentRecord) -> None:
         """What an earlier process learned about this key."""
-        if record.state in (KeyState.FAILED.value, KeyState.DISABLED.value):
+        if record.state in (KeyState.FAILED.value, KeyState.DISABLED.value,
+                            KeyState.UNPROFITABLE.value):
             entry.state, entry.reason = KeyState(record.state), record.reason
         elif record.state == KeyState.READY.value:
             entry.artifact_path = self.disk.loadable_artifact(record, current_compiler().name)
@@ -136,7 +199,7 @@ class KeyTable:
     def _turn_hot(self, entry: KeyEntry) -> None:
         counters.add("hot_keys")
         decide("hot", key=entry.digest, ops=len(entry.segment.ops), seen=entry.seen)
-        reason = unfusible_reason(entry.segment)
+        reason = unfusible_reason(entry.segment, entry)
         if reason is not None:
             entry.state, entry.reason = KeyState.UNFUSIBLE, reason
             counters.fallback(reason)
@@ -194,6 +257,7 @@ class KeyTable:
                compiler=compiler.name)
 
     def _install(self, entry: KeyEntry, kernel) -> None:
+        freeze_gc_after_inductor()
         entry.state = KeyState.READY
         variant = self.trie.insert(entry.segment, kernel, entry)
         self.kernels[entry.digest] = variant          # may evict the least recently used
@@ -213,10 +277,28 @@ class KeyTable:
         counters.add("cache_hits_memory")
         entry = variant.entry
         entry.fused_runs += 1
-        entry.fused_seconds += seconds
-        entry.timed_fused_runs += 1
+        entry.add_sample(entry.fused_samples, seconds)
         self._note(entry, fused_runs=1, fused_ms=entry.fused_ms)
+        if not entry.judged and len(entry.fused_samples) > PROFIT_SAMPLES \
+                and not config.KEEP_UNPROFITABLE:
+            self._judge(variant)
         self.maybe_flush()
+
+    def _judge(self, variant: Variant) -> None:
+        """Keep a kernel only if its runs beat the per-op runs by PROFIT_MARGIN."""
+        entry = variant.entry
+        entry.judged = True
+        if entry.eager_ms is None or entry.fused_ms <= entry.eager_ms * (1 - PROFIT_MARGIN):
+            return
+        with self._lock:
+            self.trie.remove(variant)
+            self.kernels.pop(entry.digest, None)
+            entry.state = KeyState.UNPROFITABLE
+            entry.reason = f"fused {entry.fused_ms:.3f} ms vs per-op {entry.eager_ms:.3f} ms"
+        counters.fallback("unprofitable")
+        decide("unprofitable", key=entry.digest, fused_ms=entry.fused_ms,
+               eager_ms=entry.eager_ms)
+        self._note(entry, state=entry.state.value, reason=entry.reason)
 
     # ------------------------------------------------------------------ failures
 
@@ -253,5 +335,6 @@ class KeyTable:
             if self.disk is not None:
                 self.disk.close()
             self._entries.clear()
+            self._structures.clear()
             self.trie.clear()
             self.kernels.clear()

@@ -14,7 +14,7 @@ from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
 from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
 from adaptive_eager.runtime.policy import KeyState
-from helpers import assert_equal
+from helpers import MECHANICS_ENV, assert_equal
 
 
 def chain(x):
@@ -152,7 +152,7 @@ def _spawn(tmp_path, value, iterations, cache_dir):
     script = tmp_path / "worker.py"
     if not script.exists():     # rewriting it while another worker starts could run it empty
         script.write_text(WORKER)
-    env = {**os.environ, "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(cache_dir),
+    env = {**os.environ, **MECHANICS_ENV, "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(cache_dir),
            "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "2"}
     return subprocess.Popen([sys.executable, str(script), str(value), str(iterations)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -18,7 +18,7 @@ from adaptive_eager.runtime import decisions, engine
 from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
 from adaptive_eager.runtime.policy import KeyState
 from adaptive_eager.runtime.verify import VerificationError
-from helpers import assert_equal
+from helpers import MECHANICS_ENV, assert_equal
 
 
 def chain(x):
@@ -205,7 +205,8 @@ def test_exit_report(tmp_path, target):
     script = tmp_path / "job.py"
     script.write_text(REPORT_SCRIPT)
     path = tmp_path / target
-    env = {**os.environ, "NEURON_ADAPTIVE_EAGER_REPORT": target if target == "1" else str(path),
+    env = {**os.environ, **MECHANICS_ENV,
+           "NEURON_ADAPTIVE_EAGER_REPORT": target if target == "1" else str(path),
            "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                             text=True, timeout=300)

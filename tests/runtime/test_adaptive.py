@@ -1,0 +1,91 @@
+"""The adaptive policy's gates: too cheap to fuse, unprofitable kernels, megamorphic shapes."""
+import time
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager.cache.store import Store
+from adaptive_eager.config import config
+from adaptive_eager.runtime import engine
+from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+from adaptive_eager.runtime.policy import KeyState
+from helpers import assert_equal
+
+
+def chain(x):
+    return ((x * 2 + 1).sin() * 3).cos()
+
+
+def _states():
+    return [entry.state for entry in engine.shared_table().entries()]
+
+
+def test_segments_too_cheap_to_repay_fusion_are_never_compiled(compiler):
+    tiny, large = torch.randn(16), torch.randn(1 << 18)
+    with config.patch(MIN_SEGMENT_US=100, HOT_THRESHOLD=4), ae.enabled():
+        for _ in range(6):
+            chain(tiny).sum().item()
+            chain(large).sum().item()
+    by_size = {e.segment.input_metas[0].shape[0]: e for e in engine.shared_table().entries()}
+    assert by_size[16].state is KeyState.UNFUSIBLE and by_size[16].reason == "too_cheap"
+    assert by_size[1 << 18].state is KeyState.READY
+    assert compiler.count == 1 and ae.stats().fallbacks["too_cheap"] == 1
+
+
+class SlowKernels(CountingCompiler):
+    def compile(self, graph, example_inputs):
+        module = super().compile(graph, example_inputs)
+
+        def kernel(*tensors):
+            time.sleep(0.02)                          # far slower than the ops it replaces
+            module(*tensors)
+        return kernel
+
+
+def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings():
+    x = torch.randn(64)
+    with use_compiler(SlowKernels()), config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
+        outs = [chain(x) for _ in range(12)]
+    for out in outs:
+        assert_equal(out, chain(x))
+    [entry] = engine.shared_table().entries()
+    assert entry.state is KeyState.UNPROFITABLE
+    assert entry.fused_ms > 20 and entry.eager_ms < 20
+    assert "fused" in entry.reason and "per-op" in entry.reason
+    stats = ae.stats()
+    assert stats.fused_executions == 4                # judged after 1 warm-up + 3 timed runs
+    assert stats.fallbacks["unprofitable"] == 1
+    ae.reset()                                        # persisted for the next process
+    [record] = Store(config.CACHE_DIR).records()
+    assert record.state == "unprofitable" and record.fused_ms > 20 and record.eager_ms < 20
+
+
+def test_kept_unprofitable_kernels_with_the_setting(compiler):
+    x = torch.randn(64)
+    with use_compiler(SlowKernels()), config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
+        for _ in range(8):
+            chain(x)
+    assert _states() == [KeyState.READY]
+
+
+def test_ever_new_shapes_compile_a_bounded_number_of_times(compiler):
+    outs = []
+    with config.patch(MAX_SHAPE_VARIANTS=3), ae.enabled():
+        for length in range(4, 12):                   # 8 shapes, each hot
+            x = torch.randn(length)
+            for _ in range(3):
+                outs.append((x, chain(x)))
+    assert compiler.count == 3
+    assert _states().count(KeyState.MEGAMORPHIC) == 5
+    assert ae.stats().fallbacks["megamorphic"] == 5
+    for x, out in outs:
+        assert_equal(out, chain(x))
+
+
+@pytest.mark.parametrize("lengths", [range(5, 45)], ids=["new_length_each_step"])
+def test_a_new_sequence_length_every_step_compiles_nothing(compiler, lengths):
+    with ae.enabled():
+        for length in lengths:
+            chain(torch.randn(length)).sum().item()
+    assert compiler.count == 0 and ae.stats().fused_executions == 0
