@@ -98,10 +98,14 @@ def enabled() -> Iterator[None]:
         disable()
 
 
-def sync() -> None:
-    """Finish all deferred work now, on every runtime in the process."""
+def sync(wait_compiles: float = 0.0) -> None:
+    """Finish all deferred work now, on every runtime in the process. With
+    ``wait_compiles=seconds``, also wait (that long at most) for background compiles and swap
+    their kernels in (benchmarks, tests)."""
     for runtime in engine.live_runtimes():
         runtime.flush()
+    if wait_compiles:
+        engine.shared_table().poll_compiles(wait_s=wait_compiles)
 
 
 def stats() -> Stats:

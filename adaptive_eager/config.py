@@ -112,6 +112,12 @@ SETTINGS: tuple[Setting, ...] = (
             "How many times a segment key must be seen before it is compiled."),
     Setting("MAX_SEGMENT_OPS", _positive_int, lambda: 64,
             "Longest segment, in aten ops; longer runs are cut."),
+    Setting("ASYNC", _parse_bool, lambda: True,
+            "1: compile hot segments in a background worker process while the program goes "
+            "on per-op; 0: compile synchronously, in the program's thread (tests, debugging)."),
+    Setting("COMPILE_TIMEOUT_S", _positive_int, lambda: 600,
+            "A background compile taking longer than this (seconds) is abandoned: the worker "
+            "is restarted and the segment runs per-op for good."),
     Setting("MIN_SEGMENT_US", _non_negative_int, lambda: 100,
             "Segments whose ops compute for less than this (microseconds per run, measured "
             "per-op) are never compiled: fusion could not repay its own overhead."),

@@ -44,4 +44,5 @@ def run_both(make_state: Callable[[], object], step: Callable[[object], object],
 # For subprocesses that test mechanics on tiny tensors: the cost gates of the adaptive policy
 # would (rightly) keep such segments per-op. The fresh_runtime fixture does this in-process.
 MECHANICS_ENV = {"NEURON_ADAPTIVE_EAGER_MIN_SEGMENT_US": "0",
-                 "NEURON_ADAPTIVE_EAGER_KEEP_UNPROFITABLE": "1"}
+                 "NEURON_ADAPTIVE_EAGER_KEEP_UNPROFITABLE": "1",
+                 "NEURON_ADAPTIVE_EAGER_ASYNC": "0"}

@@ -21,6 +21,7 @@ REPEAT_INTERVAL_S = 10.0
 # decision -> (level, the field that identifies "the same decision again")
 DECISIONS = {
     "hot": (logging.INFO, "key"),
+    "compiling": (logging.INFO, "key"),
     "compiled": (logging.INFO, "key"),
     "loaded": (logging.INFO, "key"),
     "failed": (logging.WARNING, "key"),

@@ -286,6 +286,7 @@ class Runtime:
     # ---------------------------------------------------------------- segment ends
 
     def _end_segment(self) -> None:
+        self.table.poll_compiles()
         if self._hot is not None and self._end_hot():
             return
         builder, self._builder = self._builder, None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import gc
+import os
 import statistics
 import threading
 import time
@@ -22,6 +23,8 @@ from adaptive_eager.cache.store import SegmentRecord
 from adaptive_eager.config import config
 from adaptive_eager.dispatch.signature import without_shapes
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
+from adaptive_eager.runtime.graph import build_graph
+from adaptive_eager.runtime.worker import CompileRequest, CompileWorker
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.describe import key_parts, op_lines
 from adaptive_eager.runtime.segment import Segment
@@ -37,6 +40,7 @@ TIMING_SAMPLES = 8    # recent wall times kept per key and mode
 class KeyState(str, enum.Enum):
     COLD = "cold"              # seen fewer than HOT_THRESHOLD times (or its kernel was evicted)
     HOT = "hot"                # hot, but compilation is off (COMPILE=0)
+    COMPILING = "compiling"    # in the background worker; runs per-op meanwhile
     READY = "ready"            # has a kernel; the hot path replays it fused
     FAILED = "failed"          # compile, kernel or verification failed: per-op for good
     UNFUSIBLE = "unfusible"    # hot, but nothing worth fusing (e.g. a single op)
@@ -97,6 +101,29 @@ def unfusible_reason(segment: Segment, entry: KeyEntry) -> str | None:
     return None
 
 
+class ThreadShare:
+    """Note [Oversubscription]: on a small machine the worker's compile competes with the
+    program's intra-op threads; while compiles are in flight the program keeps one core
+    fewer, and gets it back when they are done."""
+
+    SMALL_MACHINE_CORES = 4
+
+    def __init__(self) -> None:
+        self._saved: int | None = None
+
+    def compile_started(self) -> None:
+        import torch
+        if self._saved is None and (os.cpu_count() or 1) <= self.SMALL_MACHINE_CORES:
+            self._saved = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._saved - 1))
+
+    def compiles_done(self) -> None:
+        import torch
+        if self._saved is not None:
+            torch.set_num_threads(self._saved)
+            self._saved = None
+
+
 _gc_frozen = False
 
 
@@ -115,6 +142,29 @@ def unfreeze_gc() -> None:
     if _gc_frozen:
         _gc_frozen = False
         gc.unfreeze()
+
+
+class ThreadShare:
+    """Note [Oversubscription]: on a small machine the worker's compile competes with the
+    program's intra-op threads; while compiles are in flight the program keeps one core
+    fewer, and gets it back when they are done."""
+
+    SMALL_MACHINE_CORES = 4
+
+    def __init__(self) -> None:
+        self._saved: int | None = None
+
+    def compile_started(self) -> None:
+        import torch
+        if self._saved is None and (os.cpu_count() or 1) <= self.SMALL_MACHINE_CORES:
+            self._saved = torch.get_num_threads()
+            torch.set_num_threads(max(1, self._saved - 1))
+
+    def compiles_done(self) -> None:
+        import torch
+        if self._saved is not None:
+            torch.set_num_threads(self._saved)
+            self._saved = None
 
 
 def structure_of(segment: Segment) -> tuple:
@@ -136,6 +186,10 @@ class KeyTable:
         self._entries: dict[tuple, KeyEntry] = {}
         self._structures: dict[tuple, int] = {}    # structure -> shape variants seen
         self._lock = threading.RLock()
+        self.worker: CompileWorker | None = None
+        self._compiling: dict[int, KeyEntry] = {}   # request id -> entry
+        self._next_request = 0
+        self._threads = ThreadShare()
 
     def entries(self) -> list[KeyEntry]:
         with self._lock:
@@ -237,6 +291,9 @@ class KeyTable:
 
     def _compile(self, entry: KeyEntry) -> None:
         compiler = current_compiler()
+        if config.ASYNC and self.disk is not None and self.disk.enabled:
+            self._submit(entry, compiler)
+            return
         try:
             kernel, seconds = compile_segment(entry.segment, compiler)
         except Exception as err:  # any compiler error: this key runs per-op for good
@@ -255,6 +312,59 @@ class KeyTable:
         self.flush()                       # a decision other processes can use right away
         decide("compiled", key=entry.digest, ops=len(entry.segment.ops), seconds=seconds,
                compiler=compiler.name)
+
+    # ------------------------------------------------------------------ background
+
+    def _submit(self, entry: KeyEntry, compiler) -> None:
+        """Hand ``entry`` to the compile worker; it runs per-op until the kernel arrives."""
+        if self.worker is None:
+            self.worker = CompileWorker(self.disk.store.directory, config.COMPILE_TIMEOUT_S)
+        segment = entry.segment
+        metas = segment.input_metas + tuple(segment.out_meta(ref) for ref in segment.live_refs)
+        self._next_request += 1
+        request = CompileRequest(self._next_request, entry.digest,
+                                 build_graph(segment, segment.live_refs), metas,
+                                 (type(compiler).__module__, type(compiler).__qualname__))
+        entry.state = KeyState.COMPILING
+        self._compiling[request.request_id] = entry
+        self._threads.compile_started()
+        self.worker.submit(request)
+        decide("compiling", key=entry.digest, ops=len(segment.ops))
+
+    def poll_compiles(self, wait_s: float = 0.0) -> None:
+        """Swap in the kernels the worker finished (at a segment boundary: never mid-run)."""
+        if self.worker is None or not self._compiling:
+            return
+        results = self.worker.wait(wait_s) if wait_s else self.worker.poll()
+        for result in results:
+            with self._lock:
+                entry = self._compiling.pop(result.request_id, None)
+                if entry is not None:
+                    self._finish_background(entry, result)
+        if not self._compiling:
+            self._threads.compiles_done()
+
+    def _finish_background(self, entry: KeyEntry, result) -> None:
+        if not result.ok:
+            counters.add("compile_failures")
+            self.mark_failed(entry, result.error)
+            return
+        name, size, checksum = result.artifact
+        path = self.disk.store.artifact_file(name)
+        kernel = self.disk.load_kernel(path, current_compiler())
+        if kernel is None:
+            counters.add("compile_failures")
+            self.mark_failed(entry, "compile_error: the worker's artifact did not load")
+            return
+        entry.compile_seconds, entry.saved_artifact = result.seconds, path
+        counters.add("compiles")
+        counters.add("compile_seconds", result.seconds)
+        self._install(entry, kernel)
+        self._note(entry, state=entry.state.value, reason=None, compile_seconds=result.seconds,
+                   artifact=name, artifact_bytes=size, artifact_xxh=checksum)
+        self.flush()
+        decide("compiled", key=entry.digest, ops=len(entry.segment.ops),
+               seconds=result.seconds, compiler="worker")
 
     def _install(self, entry: KeyEntry, kernel) -> None:
         freeze_gc_after_inductor()
@@ -332,6 +442,9 @@ class KeyTable:
 
     def close(self) -> None:
         with self._lock:
+            if self.worker is not None:
+                self.worker.close()
+                self._threads.compiles_done()
             if self.disk is not None:
                 self.disk.close()
             self._entries.clear()

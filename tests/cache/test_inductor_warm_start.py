@@ -34,7 +34,7 @@ def test_second_process_loads_the_inductor_kernel(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path / "cache"),
-           "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "3"}
+           "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "3", "NEURON_ADAPTIVE_EAGER_ASYNC": "0"}
     env.pop("TORCHINDUCTOR_CACHE_DIR")          # ours keeps Inductor's cache inside it
     runs = [subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                            text=True, timeout=600) for _ in range(2)]

@@ -1,0 +1,249 @@
+"""Background compilation in a separate process.
+
+Note [Why a process]: compiling on a thread of the user's process starves it of the GIL (~20%
+throughput lost), two compile threads crash Inductor, and it breaks the user's own
+torch.compile (DESIGN.md). So hot segments go to one worker process, started with
+``python -m adaptive_eager.runtime.worker`` (not multiprocessing's spawn, which would re-run the
+user's main module), at lower priority and with one intra-op thread. It compiles one graph at
+a time, saves the artifact into the shared cache directory, and answers with its file name;
+the runtime loads it (~7 ms) and swaps the kernel in at a segment boundary. Meanwhile the
+program goes on per-op.
+
+Protocol: length-prefixed pickles over the worker's stdin/stdout. The worker's own prints go to
+stderr. It exits when its stdin closes, so it never outlives the program. A worker that dies or
+overruns COMPILE_TIMEOUT_S fails its request with a reason and is restarted on the next one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, BinaryIO
+
+_HEADER = struct.Struct("<Q")
+
+
+def _send(stream: BinaryIO, message: Any) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO) -> Any:
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None                                   # the other side closed the pipe
+    size = _HEADER.unpack(header)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        return None
+    return pickle.loads(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRequest:
+    request_id: int
+    digest: str
+    graph: Any                                        # torch.fx.GraphModule (pickles as code)
+    input_metas: tuple                                # TensorMeta per placeholder
+    compiler: tuple                                   # (module, qualified name) to instantiate
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    request_id: int
+    digest: str
+    ok: bool
+    artifact: tuple | None = None                     # (file name, size, checksum)
+    seconds: float = 0.0
+    error: str | None = None
+
+
+# --------------------------------------------------------------------- the worker process
+
+def _instantiate(reference: tuple, cache: dict):
+    if reference not in cache:
+        module, name = reference
+        target = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+        cache[reference] = target()
+    return cache[reference]
+
+
+def _compile(request: CompileRequest, store, compilers: dict) -> CompileResult:
+    started = time.perf_counter()
+    try:
+        compiler = _instantiate(request.compiler, compilers)
+        example_inputs = [meta.empty() for meta in request.input_metas]
+        kernel = compiler.compile(request.graph, example_inputs)
+        saved = store.save_artifact(request.digest, lambda path: compiler.save(kernel, path))
+    except Exception as err:  # reported to the runtime, which runs the segment per-op
+        return CompileResult(request.request_id, request.digest, False,
+                             error=f"compile_error: {type(err).__name__}: {err}"[:500])
+    if saved is None:
+        return CompileResult(request.request_id, request.digest, False,
+                             error="compile_error: the kernel cannot be saved for shipping")
+    return CompileResult(request.request_id, request.digest, True, saved,
+                         time.perf_counter() - started)
+
+
+def serve() -> None:
+    """The worker's main loop: requests on stdin, results on (the original) stdout."""
+    protocol_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)                                     # stray prints must not corrupt replies
+    protocol_in = sys.stdin.buffer
+    hello = _receive(protocol_in)
+    if hello is None:
+        return
+    sys.path[:] = hello["sys_path"]                   # import what the parent can import
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    import torch
+    torch.set_num_threads(1)
+    from adaptive_eager.cache.store import Store
+    store = Store(hello["cache_dir"])
+    compilers: dict = {}
+    while True:
+        request = _receive(protocol_in)
+        if request is None:
+            return
+        result = _compile(request, store, compilers)
+        try:
+            _send(protocol_out, result)
+        except BrokenPipeError:                       # the program is gone: so are we
+            return
+
+
+# --------------------------------------------------------------------- the runtime's side
+
+class CompileWorker:
+    """The handle the runtime holds: submit requests, collect results, never block."""
+
+    def __init__(self, cache_dir: str, timeout_s: float) -> None:
+        self.cache_dir = cache_dir
+        self.timeout_s = timeout_s
+        self._process: subprocess.Popen | None = None
+        self._results: queue.Queue = queue.Queue()
+        self._deadlines: dict[int, tuple[float, str]] = {}   # request id -> (deadline, digest)
+        self._lock = threading.RLock()
+        self.restarts = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._deadlines)
+
+    def submit(self, request: CompileRequest) -> None:
+        with self._lock:
+            process = self._ensure_started()
+            self._deadlines[request.request_id] = (time.monotonic() + self.timeout_s,
+                                                   request.digest)
+            try:
+                _send(process.stdin, request)
+            except (BrokenPipeError, OSError):
+                pass                                  # the reader thread reports the crash
+
+    def _ensure_started(self) -> subprocess.Popen:
+        if self._process is not None and self._process.poll() is None:
+            return self._process
+        if self._process is not None:                 # died: what it held is lost
+            self.restarts += 1
+            for request_id, (_, digest) in self._deadlines.items():
+                self._results.put(("result", CompileResult(
+                    request_id, digest, False, error="worker_crashed: the compile worker "
+                    f"exited with status {self._process.poll()}")))
+            self._deadlines.clear()
+        env = dict(os.environ)
+        env.pop("NEURON_ADAPTIVE_EAGER", None)        # the worker must not run under us
+        process = subprocess.Popen([sys.executable, "-m", "adaptive_eager.runtime.worker"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                   cwd=os.getcwd())
+        _send(process.stdin, {"sys_path": list(sys.path), "cache_dir": self.cache_dir})
+        threading.Thread(target=self._read, args=(process,), daemon=True,
+                         name="adaptive-eager-compile-results").start()
+        self._process = process
+        return process
+
+    def _read(self, process: subprocess.Popen) -> None:
+        while True:
+            try:
+                result = _receive(process.stdout)
+            except Exception:  # a garbled reply: treat the worker as dead
+                result = None
+                process.kill()
+            if result is None:
+                self._results.put(("exited", process))
+                return
+            self._results.put(("result", result))
+
+    def poll(self) -> list[CompileResult]:
+        """Results that arrived, and failures for requests whose worker died or overran."""
+        results = []
+        while True:
+            try:
+                kind, payload = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "result":
+                self._deadlines.pop(payload.request_id, None)
+                results.append(payload)
+            elif payload is self._process:
+                results += self._fail_all("worker_crashed: the compile worker exited "
+                                          f"with status {payload.wait()}")
+        if self._deadlines and min(d for d, _ in self._deadlines.values()) < time.monotonic():
+            self._kill()
+            results += self._fail_all(f"compile_timeout: no kernel after {self.timeout_s:g} s")
+        return results
+
+    def _fail_all(self, reason: str) -> list[CompileResult]:
+        with self._lock:
+            failed = [CompileResult(request_id, digest, False, error=reason)
+                      for request_id, (_, digest) in self._deadlines.items()]
+            self._deadlines.clear()
+            self._process = None
+        return failed
+
+    def wait(self, timeout_s: float) -> list[CompileResult]:
+        """Block until every request is answered (tests, benchmarks, sync(wait_compiles))."""
+        deadline = time.monotonic() + timeout_s
+        results = self.poll()
+        while self._deadlines and time.monotonic() < deadline:
+            time.sleep(0.01)
+            results += self.poll()
+        return results
+
+    def _kill(self) -> None:
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+
+    def close(self) -> None:
+        """Stop the worker without making the program wait: an idle worker exits when its
+        stdin closes; one still compiling is killed (its work would be lost anyway)."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            process.stdin.close()
+            process.wait(timeout=0 if self._deadlines else 2)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait()
+        self._deadlines.clear()
+
+
+if __name__ == "__main__":
+    # Serve from the module imported under its own name, so the results pickle as
+    # adaptive_eager.runtime.worker.CompileResult, not __main__.CompileResult.
+    from adaptive_eager.runtime import worker
+    worker.serve()
