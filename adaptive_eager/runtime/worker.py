@@ -15,11 +15,13 @@ overruns COMPILE_TIMEOUT_S fails its request with a reason and is restarted on t
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import os
 import pickle
 import queue
+import signal
 import struct
 import subprocess
 import sys
@@ -95,8 +97,22 @@ def _compile(request: CompileRequest, store, compilers: dict) -> CompileResult:
                          time.perf_counter() - started)
 
 
+def _die_with_parent() -> None:
+    """Linux: be killed when the program dies, even mid-compile and even by kill -9."""
+    parent = os.getppid()
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)                 # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return                                        # elsewhere: stdin EOF ends the loop
+    if os.getppid() != parent:                        # it died before prctl took effect
+        os._exit(0)
+
+
 def serve() -> None:
     """The worker's main loop: requests on stdin, results on (the original) stdout."""
+    _die_with_parent()
     protocol_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)                                     # stray prints must not corrupt replies
     protocol_in = sys.stdin.buffer
@@ -136,7 +152,9 @@ class CompileWorker:
         self._results: queue.Queue = queue.Queue()
         self._deadlines: dict[int, tuple[float, str]] = {}   # request id -> (deadline, digest)
         self._lock = threading.RLock()
+        self._starts = 0
         self.restarts = 0
+        atexit.register(self.close)               # never outlive, nor hold up, the program
 
     @property
     def in_flight(self) -> int:
@@ -155,8 +173,9 @@ class CompileWorker:
     def _ensure_started(self) -> subprocess.Popen:
         if self._process is not None and self._process.poll() is None:
             return self._process
+        self.restarts += self._starts > 0
+        self._starts += 1
         if self._process is not None:                 # died: what it held is lost
-            self.restarts += 1
             for request_id, (_, digest) in self._deadlines.items():
                 self._results.put(("result", CompileResult(
                     request_id, digest, False, error="worker_crashed: the compile worker "
@@ -230,6 +249,7 @@ class CompileWorker:
     def close(self) -> None:
         """Stop the worker without making the program wait: an idle worker exits when its
         stdin closes; one still compiling is killed (its work would be lost anyway)."""
+        atexit.unregister(self.close)
         process, self._process = self._process, None
         if process is None:
             return

@@ -1,0 +1,131 @@
+"""Background compilation: the program goes on per-op while a worker process compiles; crashes
+and hangs of the worker fail one segment, never the program."""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager.config import config
+from adaptive_eager.runtime import engine
+from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+from adaptive_eager.runtime.policy import KeyState
+from helpers import MECHANICS_ENV, assert_equal
+
+
+class CrashingCompiler(CountingCompiler):
+    """Kills the worker process it runs in (module level: the worker imports it by name)."""
+
+    def compile(self, graph, example_inputs):
+        os._exit(3)
+
+
+class HangingCompiler(CountingCompiler):
+    def compile(self, graph, example_inputs):
+        time.sleep(600)
+
+
+def chain(x):
+    return ((x * 2 + 1).sin() * 3).cos()
+
+
+def other(x):
+    return ((x - 1).exp() * 2).tanh()
+
+
+def _entry():
+    [entry] = engine.shared_table().entries()
+    return entry
+
+
+@pytest.fixture
+def background():
+    with config.patch(ASYNC=True, COMPILE_TIMEOUT_S=120):
+        yield
+
+
+def test_segments_run_per_op_until_the_worker_delivers(background, compiler):
+    x = torch.randn(64)
+    threads = torch.get_num_threads()
+    with ae.enabled():
+        early = [chain(x) for _ in range(4)]
+        assert _entry().state is KeyState.COMPILING
+        if (os.cpu_count() or 1) <= 4:
+            assert torch.get_num_threads() == max(1, threads - 1)   # a core for the worker
+        assert ae.stats().fused_executions == 0
+        ae.sync(wait_compiles=120)
+        assert _entry().state is KeyState.READY
+        assert torch.get_num_threads() == threads
+        late = [chain(x) for _ in range(4)]
+    for out in early + late:
+        assert_equal(out, chain(x))
+    stats = ae.stats()
+    assert stats.compiles == 1 and stats.fused_executions >= 3
+    assert compiler.count == 0 and compiler.loads == 1        # compiled there, loaded here
+
+
+def test_a_worker_crash_fails_that_segment_and_the_worker_restarts(background):
+    x = torch.randn(64)
+    with use_compiler(CrashingCompiler()), ae.enabled():
+        outs = [chain(x) for _ in range(4)]
+        ae.sync(wait_compiles=120)
+    assert _entry().state is KeyState.FAILED
+    assert _entry().reason.startswith("worker_crashed")
+    assert ae.stats().compile_failures == 1
+    for out in outs:
+        assert_equal(out, chain(x))
+    with use_compiler(CountingCompiler()), ae.enabled():
+        for _ in range(4):
+            other(x)
+        ae.sync(wait_compiles=120)
+        result = other(x)
+    assert engine.shared_table().worker.restarts == 1
+    assert ae.stats().compiles == 1
+    assert_equal(result, other(x))
+
+
+def test_a_hanging_compile_times_out_and_the_worker_is_killed(background):
+    x = torch.randn(64)
+    with use_compiler(HangingCompiler()), config.patch(COMPILE_TIMEOUT_S=3), ae.enabled():
+        outs = [chain(x) for _ in range(4)]
+        process = engine.shared_table().worker._process
+        ae.sync(wait_compiles=60)
+        outs.append(chain(x))
+    assert _entry().state is KeyState.FAILED and _entry().reason.startswith("compile_timeout")
+    assert process.poll() is not None                          # killed
+    for out in outs:
+        assert_equal(out, chain(x))
+
+
+EXITING = textwrap.dedent("""
+    import os, sys, time, torch
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
+    import adaptive_eager as ae
+    from adaptive_eager.runtime import engine
+    from adaptive_eager.runtime.compiler import use_compiler
+    from test_background import HangingCompiler
+    x = torch.randn(64)
+    with use_compiler(HangingCompiler()), ae.enabled():
+        for _ in range(4):
+            ((x * 2 + 1).sin() * 3).cos()
+        time.sleep(1)
+        print(engine.shared_table().worker._process.pid, flush=True)
+""")
+
+
+def test_the_program_exits_promptly_and_leaves_no_worker_behind(tmp_path):
+    env = {**os.environ, **MECHANICS_ENV, "NEURON_ADAPTIVE_EAGER_ASYNC": "1",
+           "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path / "cache")}
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", EXITING, os.path.dirname(__file__)],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    worker_pid = int(result.stdout.split()[0])
+    assert time.monotonic() - started < 60
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker_pid, 0)                                 # gone
