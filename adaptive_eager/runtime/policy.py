@@ -117,6 +117,11 @@ class ThreadShare:
             self._saved = torch.get_num_threads()
             torch.set_num_threads(max(1, self._saved - 1))
 
+    def program_threads(self) -> int:
+        """The program's own intra-op thread count (not the reduced one)."""
+        import torch
+        return self._saved if self._saved is not None else torch.get_num_threads()
+
     def compiles_done(self) -> None:
         import torch
         if self._saved is not None:
@@ -159,6 +164,11 @@ class ThreadShare:
         if self._saved is None and (os.cpu_count() or 1) <= self.SMALL_MACHINE_CORES:
             self._saved = torch.get_num_threads()
             torch.set_num_threads(max(1, self._saved - 1))
+
+    def program_threads(self) -> int:
+        """The program's own intra-op thread count (not the reduced one)."""
+        import torch
+        return self._saved if self._saved is not None else torch.get_num_threads()
 
     def compiles_done(self) -> None:
         import torch
@@ -324,7 +334,8 @@ class KeyTable:
         self._next_request += 1
         request = CompileRequest(self._next_request, entry.digest,
                                  build_graph(segment, segment.live_refs), metas,
-                                 (type(compiler).__module__, type(compiler).__qualname__))
+                                 (type(compiler).__module__, type(compiler).__qualname__),
+                                 self._threads.program_threads())
         entry.state = KeyState.COMPILING
         self._compiling[request.request_id] = entry
         self._threads.compile_started()

@@ -4,8 +4,8 @@ Note [Why a process]: compiling on a thread of the user's process starves it of 
 throughput lost), two compile threads crash Inductor, and it breaks the user's own
 torch.compile (DESIGN.md). So hot segments go to one worker process, started with
 ``python -m adaptive_eager.runtime.worker`` (not multiprocessing's spawn, which would re-run the
-user's main module), at lower priority and with one intra-op thread. It compiles one graph at
-a time, saves the artifact into the shared cache directory, and answers with its file name;
+user's main module), at lower priority. It compiles one graph at a time (for the program's
+intra-op thread count: Inductor bakes it into CPU kernels), saves the artifact into the shared cache directory, and answers with its file name;
 the runtime loads it (~7 ms) and swaps the kernel in at a segment boundary. Meanwhile the
 program goes on per-op.
 
@@ -56,6 +56,8 @@ class CompileRequest:
     graph: Any                                        # torch.fx.GraphModule (pickles as code)
     input_metas: tuple                                # TensorMeta per placeholder
     compiler: tuple                                   # (module, qualified name) to instantiate
+    threads: int                                      # the program's intra-op threads: CPU
+                                                      # kernels are generated for that many
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +83,10 @@ def _instantiate(reference: tuple, cache: dict):
 
 
 def _compile(request: CompileRequest, store, compilers: dict) -> CompileResult:
+    import torch
     started = time.perf_counter()
     try:
+        torch.set_num_threads(request.threads)
         compiler = _instantiate(request.compiler, compilers)
         example_inputs = [meta.empty() for meta in request.input_metas]
         kernel = compiler.compile(request.graph, example_inputs)
@@ -124,8 +128,6 @@ def serve() -> None:
         os.nice(10)
     except OSError:
         pass
-    import torch
-    torch.set_num_threads(1)
     from adaptive_eager.cache.store import Store
     store = Store(hello["cache_dir"])
     compilers: dict = {}
