@@ -10,7 +10,7 @@ below loads on first use.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["enable", "disable", "enabled", "is_enabled", "sync", "stats", "reset", "Stats",
+__all__ = ["enable", "disable", "enabled", "is_enabled", "is_paused", "sync", "stats", "reset", "Stats",
            "config", "ConfigError"]
 
 

@@ -5,12 +5,15 @@ import atexit
 import contextlib
 import logging
 import threading
+import time
+import weakref
 from typing import Iterator
 
 from adaptive_eager.config import config
-from adaptive_eager.dispatch import escapes
+from adaptive_eager.dispatch import control, escapes
 from adaptive_eager.dispatch.mode import AdaptiveMode
 from adaptive_eager.runtime import engine
+from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.policy import unfreeze_gc
 from adaptive_eager.runtime.stats import Stats, counters
 
@@ -62,6 +65,7 @@ def enable() -> None:
     config.validate_all()
     _configure_logging()
     _register_exit_report()
+    control.install()
     runtime = engine.Runtime()
     mode = AdaptiveMode(runtime)
     escapes.install()
@@ -78,7 +82,9 @@ def disable() -> None:
     try:
         runtime.close()
     finally:
-        mode.__exit__(None, None, None)
+        if _current_mode() is mode:            # not when paused: it is off the stack already
+            mode.__exit__(None, None, None)
+        _paused_until.pop(runtime, None)
         escapes.uninstall()
         if not engine.live_runtimes():
             unfreeze_gc()              # user objects frozen with Inductor's become collectable
@@ -98,12 +104,47 @@ def enabled() -> Iterator[None]:
         disable()
 
 
+# runtime -> monotonic time its pause ends (see dispatch/control.py)
+_paused_until: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _current_mode():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    return _get_current_dispatch_mode()
+
+
+def control_point() -> None:
+    """Pause or resume this thread's runtime, if it asked to / its pause is over."""
+    stack = _stack()
+    if not stack:
+        return
+    runtime, mode = stack[-1]
+    if runtime.pause_requested and _current_mode() is mode:
+        seconds = runtime.paused_for()
+        mode.__exit__(None, None, None)
+        _paused_until[runtime] = time.monotonic() + seconds
+        decide("paused", seconds=seconds)
+    elif runtime in _paused_until and time.monotonic() >= _paused_until[runtime]:
+        del _paused_until[runtime]
+        mode.__enter__()
+        decide("resumed")
+    if not any(r.pause_requested for r in engine.live_runtimes()):
+        control.no_pause_pending()
+
+
+def is_paused() -> bool:
+    """Is this thread's runtime pausing (not intercepting) right now?"""
+    stack = _stack()
+    return bool(stack) and stack[-1][0] in _paused_until
+
+
 def sync(wait_compiles: float = 0.0) -> None:
     """Finish all deferred work now, on every runtime in the process. With
     ``wait_compiles=seconds``, also wait (that long at most) for background compiles and swap
     their kernels in (benchmarks, tests)."""
     for runtime in engine.live_runtimes():
         runtime.flush()
+    control_point()
     if wait_compiles:
         engine.shared_table().poll_compiles(wait_s=wait_compiles)
 

@@ -118,6 +118,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMPILE_TIMEOUT_S", _positive_int, lambda: 600,
             "A background compile taking longer than this (seconds) is abandoned: the worker "
             "is restarted and the segment runs per-op for good."),
+    Setting("PAUSE", _parse_bool, lambda: True,
+            "1: where the runtime keeps finding nothing worth fusing (PAUSE_WINDOW segments "
+            "in a row), stop intercepting, and re-probe after a growing interval at the next "
+            "optimizer step, backward(), DataLoader batch or ae.sync()."),
+    Setting("PAUSE_WINDOW", _positive_int, lambda: 256,
+            "Segments without anything profitable before the runtime pauses itself."),
     Setting("MIN_SEGMENT_US", _non_negative_int, lambda: 100,
             "Segments whose ops compute for less than this (microseconds per run, measured "
             "per-op) are never compiled: fusion could not repay its own overhead."),

@@ -39,7 +39,8 @@ def fresh_runtime(request, tmp_path):
     compiler = InductorCompiler() if request.node.get_closest_marker("inductor") else \
         CountingCompiler()
     with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache"), MIN_SEGMENT_US=0,
-                      KEEP_UNPROFITABLE=True, ASYNC=False), use_compiler(compiler):
+                      KEEP_UNPROFITABLE=True, ASYNC=False, PAUSE=False), \
+            use_compiler(compiler):
         yield compiler
     leaked = ae.is_enabled()
     while ae.is_enabled():

@@ -34,6 +34,9 @@ DECISIONS = {
     "evicted": (logging.DEBUG, "key"),
     "divergence": (logging.DEBUG, "key"),
     "fallback": (logging.DEBUG, "reason"),
+    "pause_requested": (logging.INFO, None),
+    "paused": (logging.INFO, None),
+    "resumed": (logging.INFO, None),
 }
 
 _lock = threading.Lock()

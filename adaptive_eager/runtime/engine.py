@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.config import config
+from adaptive_eager.dispatch import control
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
 from adaptive_eager.runtime.buffers import BufferPool
@@ -35,6 +36,9 @@ from adaptive_eager.runtime.policy import KeyTable
 from adaptive_eager.runtime.segment import SegmentBuilder, flatten_outputs, unflatten_outputs
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, TrieNode
+
+PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
+PAUSE_LONGEST_S = 64.0    # ...up to this
 
 _shared_lock = threading.Lock()
 _shared_table: KeyTable | None = None
@@ -154,6 +158,9 @@ class Runtime:
         # Per-op counts stay local (no lock per op) and are published at segment ends.
         self._ops_seen = 0
         self._per_op = 0
+        self._quiet_segments = 0                   # see Note [Pausing]
+        self.pause_requested = False
+        self.pause_backoff_s = PAUSE_FIRST_S
         _live_runtimes.add(self)
 
     @property
@@ -288,12 +295,39 @@ class Runtime:
     def _end_segment(self) -> None:
         self.table.poll_compiles()
         if self._hot is not None and self._end_hot():
+            self._watch(promising=True)
             return
         builder, self._builder = self._builder, None
         if builder:
             seconds = time.perf_counter() - builder.started
-            self.table.observe(builder.finish(builder.live_refs()), seconds,
-                               builder.compute_seconds)
+            entry = self.table.observe(builder.finish(builder.live_refs()), seconds,
+                                       builder.compute_seconds)
+            self._watch(entry.promising)
+
+    def _watch(self, promising: bool) -> None:
+        """Note [Pausing]: a Python dispatch mode costs more than a tiny op itself. After
+        PAUSE_WINDOW segments in a row with nothing fused, compiling or worth compiling, ask
+        to stop intercepting; the pause takes effect, and ends, at control points outside the
+        mode (dispatch/control.py), since a mode cannot take itself off the stack."""
+        if promising:
+            self._quiet_segments = 0
+            self.pause_backoff_s = PAUSE_FIRST_S
+            return
+        self._quiet_segments += 1
+        if self._quiet_segments >= config.PAUSE_WINDOW and config.PAUSE and \
+                not self.pause_requested:
+            self.pause_requested = True
+            decide("pause_requested", segments=self._quiet_segments)
+            control.pause_requested()
+
+    def paused_for(self) -> float:
+        """Start a pause (at a control point): flush, and return how long it lasts."""
+        self.flush()
+        self.pause_requested, self._quiet_segments = False, 0
+        seconds, self.pause_backoff_s = self.pause_backoff_s, min(self.pause_backoff_s * 2,
+                                                                   PAUSE_LONGEST_S)
+        counters.add("pauses")
+        return seconds
 
     def _end_hot(self) -> bool:
         """Finish a deferred run: fused if a kernel fits, else replayed per-op.

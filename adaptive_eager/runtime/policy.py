@@ -78,6 +78,14 @@ class KeyEntry:
         timed = self.fused_samples[1:] or self.fused_samples
         return statistics.median(timed) * 1e3 if timed else None
 
+    @property
+    def promising(self) -> bool:
+        """Is fusion paying, or could it? (Nothing promising for long: the runtime pauses.)"""
+        if self.state in (KeyState.READY, KeyState.COMPILING):
+            return True
+        return self.state is KeyState.COLD and self.segment.compute_ops >= MIN_COMPUTE_OPS \
+            and self.compute_seconds * 1e6 >= config.MIN_SEGMENT_US
+
     def add_sample(self, samples: list, seconds: float) -> None:
         samples.append(seconds)
         if len(samples) > TIMING_SAMPLES:

@@ -25,6 +25,7 @@ class Stats:
     cache_hits_memory: int = 0
     cache_hits_disk: int = 0
     cache_load_seconds: float = 0.0
+    pauses: int = 0
     fallbacks: types.MappingProxyType = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))
 

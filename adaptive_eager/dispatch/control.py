@@ -1,0 +1,69 @@
+"""Control points: places outside the dispatch mode where the runtime may pause or resume.
+
+A TorchDispatchMode cannot take itself off the mode stack from inside ``__torch_dispatch__``
+(PyTorch puts it back when the handler returns). So pausing (Note [Pausing] in
+runtime/engine.py) happens here, in the user's thread, between ops: at an optimizer step, a
+``backward()`` call, a DataLoader batch, ``ae.sync()``, and, only while a pause is pending, at
+the next nn.Module call (a global forward pre-hook, removed once the pause took effect, since
+hooks on every module call cost a few microseconds each).
+
+Programs that pass none of these points (a bare loop of tensor ops) are never paused.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+_lock = threading.Lock()
+_installed = False
+_module_hook = None
+
+
+def _control_point(*_args, **_kwargs) -> None:
+    from adaptive_eager import api
+    api.control_point()
+
+
+def _around(owner, name: str) -> None:
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        _control_point()
+        return original(*args, **kwargs)
+    wrapper.__adaptive_eager_original__ = original
+    setattr(owner, name, wrapper)
+
+
+def install() -> None:
+    """Set up the permanent control points (once per process; they cost nothing measurable:
+    one call per step or batch)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+        import torch
+        import torch.optim.optimizer as optimizer
+        import torch.utils.data.dataloader as dataloader
+        optimizer.register_optimizer_step_pre_hook(_control_point)
+        _around(torch.Tensor, "backward")
+        _around(dataloader._BaseDataLoaderIter, "__next__")
+
+
+def pause_requested() -> None:
+    """A runtime wants to pause: also stop at the next nn.Module call."""
+    global _module_hook
+    with _lock:
+        if _module_hook is None:
+            import torch
+            _module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                _control_point)
+
+
+def no_pause_pending() -> None:
+    global _module_hook
+    with _lock:
+        if _module_hook is not None:
+            _module_hook.remove()
+            _module_hook = None

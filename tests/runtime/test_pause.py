@@ -1,0 +1,85 @@
+"""Pausing: where nothing is worth fusing, the runtime stops intercepting (Note [Pausing])."""
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import adaptive_eager as ae
+from adaptive_eager.config import config
+from adaptive_eager.runtime import engine
+from helpers import assert_equal
+
+
+@pytest.fixture
+def pausing(monkeypatch):
+    monkeypatch.setattr(engine, "PAUSE_FIRST_S", 0.05)
+    with config.patch(PAUSE=True, PAUSE_WINDOW=20, MIN_SEGMENT_US=100, HOT_THRESHOLD=5,
+                      KEEP_UNPROFITABLE=False):
+        yield
+
+
+def _tiny_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_tiny_inference_pauses_at_a_module_call_and_stays_correct(pausing):
+    model, x = _tiny_mlp(), torch.randn(1, 8)
+    expected = model(x)
+    with torch.no_grad():
+        expected = model(x)
+        with ae.enabled():
+            outs = []
+            for _ in range(60):
+                outs.append(model(x))
+                outs[-1].sum().item()              # a boundary per step: many segments
+            assert ae.is_paused()
+            assert _get_current_dispatch_mode() is None          # really off the stack
+            seen = ae.stats().ops_seen
+            outs.append(model(x))
+            assert ae.stats().ops_seen == seen                   # nothing intercepted
+    for out in outs:
+        assert_equal(out, expected)
+    assert ae.stats().pauses == 1
+    assert not ae.is_enabled()
+
+
+def test_a_pause_ends_at_an_optimizer_step_and_backs_off(pausing):
+    import time
+    model = _tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)            # lr 0: same values each step
+    x = torch.randn(1, 8)
+    with ae.enabled():
+        for _ in range(40):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert ae.is_paused()
+        time.sleep(0.06)
+        opt.step()                                               # a control point
+        assert not ae.is_paused()
+        for _ in range(40):                                      # nothing new: pause again
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        assert ae.is_paused()
+    runtime_pauses = ae.stats().pauses
+    assert runtime_pauses == 2
+
+
+def test_profitable_work_is_never_paused(pausing, compiler):
+    x = torch.randn(1 << 18)
+    with ae.enabled():
+        for _ in range(60):
+            ((x * 2 + 1).sin() * 3).cos().sum().item()
+        torch.nn.Identity()(x)                                   # a control point
+        assert not ae.is_paused()
+    assert ae.stats().fused_executions > 50 and ae.stats().pauses == 0
+
+
+def test_a_bare_loop_without_control_points_keeps_intercepting(pausing):
+    x = torch.randn(8)
+    with ae.enabled():
+        for _ in range(60):
+            (x * 2).sin().sum().item()
+        assert not ae.is_paused()
+        assert _get_current_dispatch_mode() is not None
