@@ -81,9 +81,11 @@ class KeyEntry:
     @property
     def promising(self) -> bool:
         """Is fusion paying, or could it? (Nothing promising for long: the runtime pauses.)"""
-        if self.state in (KeyState.READY, KeyState.COMPILING):
+        if self.state is KeyState.READY:
             return True
-        return self.state is KeyState.COLD and self.segment.compute_ops >= MIN_COMPUTE_OPS \
+        # COMPILING too: the early runs that made it hot can be slower than steady state.
+        return self.state in (KeyState.COLD, KeyState.COMPILING) \
+            and self.segment.compute_ops >= MIN_COMPUTE_OPS \
             and self.compute_seconds * 1e6 >= config.MIN_SEGMENT_US
 
     def add_sample(self, samples: list, seconds: float) -> None:

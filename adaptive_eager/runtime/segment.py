@@ -106,6 +106,7 @@ class SegmentBuilder:
         self._view_roots: dict[Ref, Ref] = {}
         self.device: torch.device | None = None       # every tensor of a segment lives here
         self._signatures: dict[Any, list[tuple]] = {}  # func -> signatures recorded for it
+        self._opening_shape: tuple | None = None      # ops[0].signature, inputs unnumbered
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -197,8 +198,11 @@ class SegmentBuilder:
         if signature in recorded:
             return True
         opening = self.ops[0].signature
-        return opening[0] is signature[0] and \
-            without_input_identity(opening) == without_input_identity(signature)
+        if opening[0] is not signature[0]:
+            return False
+        if self._opening_shape is None:
+            self._opening_shape = without_input_identity(opening)
+        return self._opening_shape == without_input_identity(signature)
 
     def live_refs(self) -> tuple[Ref, ...]:
         """Outputs still readable now, directly or through a view (see Note [Liveness])."""

@@ -1,0 +1,167 @@
+"""The adaptive policy's promises, eager vs adaptive side by side (issue: adaptive policy).
+
+    python bench/adaptive.py [--quick]
+
+1. tiny tensors (≤ 4096 elements): a bare 8-op chain loop and an MLP at batch 1;
+2. a loop with a new sequence length every iteration (compile count must stay bounded);
+3. the first 20 training steps in a fresh process with an empty cache (no stall);
+4. large tensors: the pointwise chain and LayerNorm+GELU+residual at 8M elements.
+Ratios are adaptive time / eager time (lower is better; 1.10 = 10% slower than eager).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import adaptive_eager as ae  # noqa: E402
+from workloads import layernorm_gelu_residual, pointwise_chain  # noqa: E402
+
+
+def _timed(fn, steps: int) -> float:
+    started = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return time.perf_counter() - started
+
+
+def _side_by_side(step, steps: int, warmup: int, rounds: int = 3) -> tuple[float, float]:
+    """(eager s, adaptive s) for ``steps`` steps after ``warmup`` under the runtime; medians
+    of alternating rounds."""
+    ae.reset()
+    with ae.enabled():
+        _timed(step, warmup)
+    eager, adaptive = [], []
+    for _ in range(rounds):
+        eager.append(_timed(step, steps))
+        with ae.enabled():
+            adaptive.append(_timed(step, steps))
+    return statistics.median(eager), statistics.median(adaptive)
+
+
+def tiny_chain(steps: int) -> dict:
+    chain = pointwise_chain(4096)
+    eager, adaptive = _side_by_side(chain, steps, warmup=400)
+    return {"case": "tiny chain (4096, bare loop)", "eager_s": eager, "adaptive_s": adaptive}
+
+
+def tiny_mlp(steps: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    x = torch.randn(1, 64)
+
+    def step():
+        with torch.no_grad():
+            return model(x).argmax().item()
+    eager, adaptive = _side_by_side(step, steps, warmup=400)
+    return {"case": "MLP at batch 1 (modules)", "eager_s": eager, "adaptive_s": adaptive}
+
+
+def variable_length(steps: int) -> dict:
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64))
+    lengths = iter(range(8, 10 ** 6))
+
+    def step():
+        with torch.no_grad():
+            return block(torch.randn(4, next(lengths), 64)).sum().item()
+    ae.reset()
+    eager = _timed(step, steps)
+    with ae.enabled():
+        adaptive = _timed(step, steps)
+    return {"case": "new sequence length every step", "eager_s": eager, "adaptive_s": adaptive,
+            "compiles": ae.stats().compiles}
+
+
+FIRST_STEPS = textwrap.dedent("""
+    import json, sys, time, torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                torch.nn.LayerNorm(512), torch.nn.Linear(512, 256))
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    data, target = torch.randn(64, 256), torch.randn(64, 256)
+    if sys.argv[1] == "adaptive":
+        import adaptive_eager as ae
+        ae.enable()
+    started = time.perf_counter()
+    for _ in range(20):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(data), target)
+        loss.backward()
+        opt.step()
+    loss.item()
+    print(json.dumps({"seconds": time.perf_counter() - started}))
+""")
+
+
+def first_training_steps() -> dict:
+    with tempfile.TemporaryDirectory(prefix="ae-fresh-") as cache:
+        env = {**os.environ, "NEURON_ADAPTIVE_EAGER_CACHE_DIR": cache}
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        seconds = {}
+        for mode in ("eager", "adaptive"):
+            out = subprocess.run([sys.executable, "-c", FIRST_STEPS, mode], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            seconds[mode] = json.loads(out.strip().splitlines()[-1])["seconds"]
+    return {"case": "first 20 training steps, fresh process", "eager_s": seconds["eager"],
+            "adaptive_s": seconds["adaptive"]}
+
+
+def large(name: str, make, numel: int) -> dict:
+    step = make(numel)
+    ae.reset()
+    with ae.enabled():
+        for _ in range(8):
+            kept = step()
+        ae.sync(wait_compiles=600)
+        for _ in range(6):
+            kept = step()
+        ae.sync()
+    del kept
+
+    def adaptive_step():
+        out = step()
+        ae.sync()
+        return out
+    eager, adaptive = [], []
+    for _ in range(4):
+        eager.append(_timed(step, 5) / 5)
+        with ae.enabled():
+            adaptive.append(_timed(adaptive_step, 5) / 5)
+    return {"case": f"{name}, {numel >> 20}M elements", "eager_s": statistics.median(eager),
+            "adaptive_s": statistics.median(adaptive)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps")
+    options = parser.parse_args()
+    steps = 500 if options.quick else 2000
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} cores")
+    print(f"{'case':<42}{'eager s':>10}{'adaptive s':>12}{'ratio':>8}  notes")
+    for row in (tiny_chain(steps), tiny_mlp(steps), variable_length(steps // 10),
+                first_training_steps(),
+                large("pointwise chain", pointwise_chain, 8 << 20),
+                large("LayerNorm+GELU+residual", layernorm_gelu_residual, 8 << 20)):
+        ratio = row["adaptive_s"] / row["eager_s"]
+        notes = f"compiles={row['compiles']}" if "compiles" in row else ""
+        if row["case"].startswith(("pointwise", "LayerNorm")):
+            notes = f"speedup {1 / ratio:.2f}x"
+        print(f"{row['case']:<42}{row['eager_s']:>10.4f}{row['adaptive_s']:>12.4f}"
+              f"{ratio:>8.2f}  {notes}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
