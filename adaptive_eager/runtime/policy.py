@@ -83,8 +83,10 @@ class KeyEntry:
         """Is fusion paying, or could it? (Nothing promising for long: the runtime pauses.)"""
         if self.state is KeyState.READY:
             return True
-        # COMPILING too: the early runs that made it hot can be slower than steady state.
-        return self.state in (KeyState.COLD, KeyState.COMPILING) \
+        # A key seen once is no evidence (dynamic shapes make new keys all the time); a
+        # compiling one must still look worth it: the runs that made it hot can be slower
+        # than steady state.
+        return self.state in (KeyState.COLD, KeyState.COMPILING) and self.seen >= 2 \
             and self.segment.compute_ops >= MIN_COMPUTE_OPS \
             and self.compute_seconds * 1e6 >= config.MIN_SEGMENT_US
 

@@ -68,7 +68,7 @@ def test_a_pause_ends_at_an_optimizer_step_and_backs_off(pausing):
 
 def test_profitable_work_is_never_paused(pausing, compiler):
     x = torch.randn(1 << 18)
-    with ae.enabled():
+    with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():   # the stand-in is no faster
         for _ in range(60):
             ((x * 2 + 1).sin() * 3).cos().sum().item()
         torch.nn.Identity()(x)                                   # a control point
