@@ -14,7 +14,7 @@ from helpers import assert_equal
 @pytest.fixture
 def pausing(monkeypatch):
     monkeypatch.setattr(engine, "PAUSE_FIRST_S", 0.05)
-    with config.patch(PAUSE=True, PAUSE_WINDOW=20, MIN_SEGMENT_US=100, HOT_THRESHOLD=5,
+    with config.patch(PAUSE=True, PAUSE_WINDOW=20, MIN_SEGMENT_US=1000, HOT_THRESHOLD=5,
                       KEEP_UNPROFITABLE=False):
         yield
 
