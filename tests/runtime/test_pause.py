@@ -67,13 +67,13 @@ def test_a_pause_ends_at_an_optimizer_step_and_backs_off(pausing):
 
 
 def test_profitable_work_is_never_paused(pausing, compiler):
-    x = torch.randn(1 << 18)
+    x = torch.randn(1 << 20)                                   # ~ms of compute per run
     with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():   # the stand-in is no faster
-        for _ in range(60):
+        for _ in range(40):
             ((x * 2 + 1).sin() * 3).cos().sum().item()
         torch.nn.Identity()(x)                                   # a control point
         assert not ae.is_paused()
-    assert ae.stats().fused_executions > 50 and ae.stats().pauses == 0
+    assert ae.stats().fused_executions > 30 and ae.stats().pauses == 0
 
 
 def test_a_bare_loop_without_control_points_keeps_intercepting(pausing):
