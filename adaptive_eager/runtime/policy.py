@@ -161,34 +161,6 @@ def unfreeze_gc() -> None:
         gc.unfreeze()
 
 
-class ThreadShare:
-    """Note [Oversubscription]: on a small machine the worker's compile competes with the
-    program's intra-op threads; while compiles are in flight the program keeps one core
-    fewer, and gets it back when they are done."""
-
-    SMALL_MACHINE_CORES = 4
-
-    def __init__(self) -> None:
-        self._saved: int | None = None
-
-    def compile_started(self) -> None:
-        import torch
-        if self._saved is None and (os.cpu_count() or 1) <= self.SMALL_MACHINE_CORES:
-            self._saved = torch.get_num_threads()
-            torch.set_num_threads(max(1, self._saved - 1))
-
-    def program_threads(self) -> int:
-        """The program's own intra-op thread count (not the reduced one)."""
-        import torch
-        return self._saved if self._saved is not None else torch.get_num_threads()
-
-    def compiles_done(self) -> None:
-        import torch
-        if self._saved is not None:
-            torch.set_num_threads(self._saved)
-            self._saved = None
-
-
 def structure_of(segment: Segment) -> tuple:
     """The key without shapes and strides (see Note [Megamorphic])."""
     return (segment.context, tuple((op.func, without_shapes(op.args), without_shapes(op.kwargs))
