@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import adaptive_eager as ae  # noqa: E402
 from adaptive_eager.config import config  # noqa: E402
 from adaptive_eager.runtime.compiler import CountingCompiler, InductorCompiler, use_compiler  # noqa: E402
+from helpers import MECHANICS  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -38,8 +39,7 @@ def fresh_runtime(request, tmp_path):
     ae.reset()
     compiler = InductorCompiler() if request.node.get_closest_marker("inductor") else \
         CountingCompiler()
-    with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache"), MIN_SEGMENT_US=0,
-                      KEEP_UNPROFITABLE=True, ASYNC=False, PAUSE=False), \
+    with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache"), **MECHANICS), \
             use_compiler(compiler):
         yield compiler
     leaked = ae.is_enabled()

@@ -41,8 +41,9 @@ def run_both(make_state: Callable[[], object], step: Callable[[object], object],
     return eager_results, adaptive_results, eager_state, adaptive_state
 
 
-# For subprocesses that test mechanics on tiny tensors: the cost gates of the adaptive policy
-# would (rightly) keep such segments per-op. The fresh_runtime fixture does this in-process.
-MECHANICS_ENV = {"NEURON_ADAPTIVE_EAGER_MIN_SEGMENT_US": "0",
-                 "NEURON_ADAPTIVE_EAGER_KEEP_UNPROFITABLE": "1",
-                 "NEURON_ADAPTIVE_EAGER_ASYNC": "0"}
+# Tests of the mechanics run tiny tensors, which the adaptive policy's cost gates would
+# (rightly) keep per-op, and want compiles to happen now, in the test's thread. The
+# fresh_runtime fixture applies these in-process; subprocesses get them as MECHANICS_ENV.
+MECHANICS = {"MIN_SEGMENT_US": 0, "KEEP_UNPROFITABLE": True, "ASYNC": False, "PAUSE": False}
+MECHANICS_ENV = {f"NEURON_ADAPTIVE_EAGER_{name}": str(int(value))
+                 for name, value in MECHANICS.items()}

@@ -12,6 +12,10 @@ import threading
 
 import torch
 
+# The runtime's own storage access must not go through the flushing wrapper below (it would
+# try to flush from inside the runtime): it uses this, the method the wrapper wraps.
+raw_untyped_storage = torch._C.TensorBase.untyped_storage
+
 _ESCAPING_METHODS = ("numpy", "tolist", "data_ptr", "__array__", "__dlpack__", "untyped_storage",
                      "storage", "_typed_storage", "__reduce_ex__")
 _originals: dict[str, object] = {}

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
+from adaptive_eager.dispatch.escapes import raw_untyped_storage
 from adaptive_eager.dispatch.signature import TensorMeta
 
 MIN_POOLED_BYTES = 1 << 20   # below this, allocation is cheap and pooling only costs
 MAX_PER_SIZE = 4             # storages kept per (device, size): a few live steps' worth
 
-_untyped_storage = torch._C.TensorBase.untyped_storage   # not the flushing wrapper (escapes)
 _use_count = torch._C._storage_Use_Count
 
 
@@ -45,7 +45,7 @@ class BufferPool:
                     return tensor.set_(storage, 0, meta.shape, meta.stride)
         tensor = meta.empty()
         if len(slots) < MAX_PER_SIZE and self.held_bytes + nbytes <= self.max_bytes:
-            slots.append(_untyped_storage(tensor))
+            slots.append(raw_untyped_storage(tensor))
             self.held_bytes += nbytes
         return tensor
 

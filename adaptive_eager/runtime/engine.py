@@ -26,16 +26,17 @@ from torch.utils._python_dispatch import _disable_current_modes
 from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import control
+from adaptive_eager.dispatch.escapes import raw_untyped_storage
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
 from adaptive_eager.runtime.buffers import BufferPool
 from adaptive_eager.runtime.decisions import decide
-from adaptive_eager.runtime.verify import Verification, VerificationError
 from adaptive_eager.runtime.graph import run_eagerly
 from adaptive_eager.runtime.policy import KeyTable
 from adaptive_eager.runtime.segment import SegmentBuilder, flatten_outputs, unflatten_outputs
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, TrieNode
+from adaptive_eager.runtime.verify import Verification, VerificationError
 
 PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
 PAUSE_LONGEST_S = 64.0    # ...up to this
@@ -91,9 +92,6 @@ def _no_autocast() -> Iterator[None]:
         yield
 
 
-_untyped_storage = torch._C.TensorBase.untyped_storage   # not the flushing wrapper (escapes)
-
-
 def _inputs_share_memory(inputs: list) -> bool:
     """Do two distinct inputs share storage (a view and its base, two overlapping views)?
 
@@ -102,7 +100,7 @@ def _inputs_share_memory(inputs: list) -> bool:
     segments whose inputs are no views pay nothing but ``_is_view()`` calls."""
     if not any(t._is_view() for t in inputs):
         return False
-    storages = [_untyped_storage(t).data_ptr() for t in inputs]
+    storages = [raw_untyped_storage(t).data_ptr() for t in inputs]
     return len(set(storages)) < len(storages)
 
 

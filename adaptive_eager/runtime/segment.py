@@ -24,14 +24,13 @@ from typing import Any, NamedTuple
 
 import torch
 
+from adaptive_eager.dispatch.escapes import raw_untyped_storage
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason
 from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkeyable, encode_call,
                                                is_cpu_scalar, is_plain_tensor, tensor_arg,
                                                tensor_args, without_input_identity)
 
 SINGLE, TUPLE, LIST, VOID = "single", "tuple", "list", "void"
-
-_untyped_storage = torch._C.TensorBase.untyped_storage   # not the flushing wrapper (escapes)
 
 
 def flatten_outputs(out: Any) -> tuple[str, tuple]:
@@ -229,7 +228,7 @@ class SegmentBuilder:
             return None
         meta = self.ops[ref[1]].out_metas[ref[2]]
         whole = torch.empty((0,), dtype=meta.dtype, device=meta.device)
-        return whole.set_(_untyped_storage(view), 0, meta.shape, meta.stride)
+        return whole.set_(raw_untyped_storage(view), 0, meta.shape, meta.stride)
 
     def finish(self, live_refs: tuple[Ref, ...]) -> Segment:
         metas = tuple(TensorMeta.of(t) for t in self.inputs)
