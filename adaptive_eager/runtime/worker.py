@@ -10,7 +10,7 @@ the runtime loads it (~7 ms) and swaps the kernel in at a segment boundary. Mean
 program goes on per-op.
 
 Protocol: length-prefixed pickles over the worker's stdin/stdout. The worker's own prints go to
-stderr. It exits when its stdin closes, so it never outlives the program. A worker that dies or
+stderr, which is ``worker.log`` in the cache directory. It exits when its stdin closes, so it never outlives the program. A worker that dies or
 overruns COMPILE_TIMEOUT_S fails its request with a reason and is restarted on the next one.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ import time
 from typing import Any, BinaryIO
 
 _HEADER = struct.Struct("<Q")
+WORKER_LOG = "worker.log"      # in the cache directory: the worker's stderr
 
 
 def _send(stream: BinaryIO, message: Any) -> None:
@@ -185,14 +186,24 @@ class CompileWorker:
             self._deadlines.clear()
         env = dict(os.environ)
         env.pop("NEURON_ADAPTIVE_EAGER", None)        # the worker must not run under us
-        process = subprocess.Popen([sys.executable, "-m", "adaptive_eager.runtime.worker"],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                   cwd=os.getcwd())
+        # The worker's warnings and tracebacks go to a log beside the cache, not into the
+        # program's stderr: the program must not show that we are there.
+        with self._log() as log:
+            process = subprocess.Popen([sys.executable, "-m", "adaptive_eager.runtime.worker"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=log, env=env, cwd=os.getcwd())
         _send(process.stdin, {"sys_path": list(sys.path), "cache_dir": self.cache_dir})
         threading.Thread(target=self._read, args=(process,), daemon=True,
                          name="adaptive-eager-compile-results").start()
         self._process = process
         return process
+
+    def _log(self):
+        try:
+            os.makedirs(self.cache_dir, exist_ok=True)
+            return open(os.path.join(self.cache_dir, WORKER_LOG), "ab")
+        except OSError:                               # nowhere to write: drop it
+            return open(os.devnull, "wb")
 
     def _read(self, process: subprocess.Popen) -> None:
         while True:

@@ -66,6 +66,7 @@ def test_segments_run_per_op_until_the_worker_delivers(background, compiler):
     stats = ae.stats()
     assert stats.compiles == 1 and stats.fused_executions >= 3
     assert compiler.count == 0 and compiler.loads == 1        # compiled there, loaded here
+    assert os.path.exists(os.path.join(config.CACHE_DIR, "worker.log"))   # its stderr
 
 
 def test_a_worker_crash_fails_that_segment_and_the_worker_restarts(background):
