@@ -5,7 +5,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
 import adaptive_eager as ae

@@ -104,6 +104,7 @@ def test_overlapping_inputs_of_an_in_place_segment_run_per_op():
         fused = ae.stats().fused_executions
         got = step(*overlapping)
         ae.sync()
+    assert len(kept) == 4                                   # alive until here: same live set
     expected_base = torch.arange(16.0)
     expected = step(expected_base[0:8], expected_base[4:12])
     assert fused >= 1 and ae.stats().fallbacks["aliased_inputs"] == 1
