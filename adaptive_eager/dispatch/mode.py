@@ -10,6 +10,8 @@ from __future__ import annotations
 from torch.compiler import is_compiling
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from adaptive_eager.runtime.stats import counters
+
 
 class AdaptiveMode(TorchDispatchMode):
     def __init__(self, runtime) -> None:
@@ -24,5 +26,6 @@ class AdaptiveMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if is_compiling():         # Dynamo/AOT tracing runs user-compiled code: stay out
+            counters.fallback("torch_compile")
             return func(*args, **(kwargs or {}))
         return self.runtime.on_op(func, args, kwargs or {})
