@@ -151,15 +151,19 @@ def sync(wait_compiles: float = 0.0) -> None:
 
 def stats() -> Stats:
     """A frozen snapshot of the runtime's counters."""
+    _publish_all_counts()
+    return counters.snapshot()
+
+
+def _publish_all_counts() -> None:
+    """Runtimes count ops locally (no lock per op); gather them into the shared counters."""
     for runtime in engine.live_runtimes():
         runtime.publish_counts()
-    return counters.snapshot()
 
 
 def reset() -> None:
     """Forget every key, kernel and counter (tests, benchmarks)."""
     sync()
-    for runtime in engine.live_runtimes():
-        runtime.publish_counts()
+    _publish_all_counts()
     engine.reset_shared_table()
     counters.reset()

@@ -396,8 +396,7 @@ class KeyTable:
         if entry.eager_ms is None or entry.fused_ms <= entry.eager_ms * (1 - PROFIT_MARGIN):
             return
         with self._lock:
-            self.trie.remove(variant)
-            self.kernels.pop(entry.digest, None)
+            self._drop_kernel(variant)
             entry.state = KeyState.UNPROFITABLE
             entry.reason = f"fused {entry.fused_ms:.3f} ms vs per-op {entry.eager_ms:.3f} ms"
         counters.fallback("unprofitable")
@@ -417,9 +416,13 @@ class KeyTable:
     def demote(self, variant: Variant, reason: str) -> None:
         """Never replay ``variant`` again (its kernel raised, or verification failed)."""
         with self._lock:
-            self.trie.remove(variant)
-            self.kernels.pop(variant.entry.digest, None)
+            self._drop_kernel(variant)
             self.mark_failed(variant.entry, reason[:500])
+
+    def _drop_kernel(self, variant: Variant) -> None:
+        """Out of the trie the hot path walks and out of memory (the store keeps its record)."""
+        self.trie.remove(variant)
+        self.kernels.pop(variant.entry.digest, None)
 
     # ------------------------------------------------------------------ persistence
 
