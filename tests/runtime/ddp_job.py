@@ -1,6 +1,6 @@
 """One rank of the DDP test (tests/runtime/test_distributed.py): eager DDP, then the same
 training under the runtime, on the same data; prints what it found as JSON."""
-import copy, json, os, sys, torch
+import copy, json, sys, torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 rank = int(sys.argv[1]); world = 2
