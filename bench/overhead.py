@@ -17,22 +17,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
 from adaptive_eager.config import config  # noqa: E402
+from adaptive_eager.dispatch.mode import PassThroughMode  # noqa: E402
 from workloads import pointwise_chain  # noqa: E402
 
 OPS_PER_STEP = 8
-
-
-class PassThrough(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 def _per_step_us(step, steps: int, sync: bool = False) -> float:
@@ -55,7 +46,7 @@ def main() -> None:
     options = parser.parse_args()
     step = pointwise_chain(options.numel)
     rows = [("eager", _per_step_us(step, options.steps))]
-    with PassThrough():
+    with PassThroughMode():
         rows.append(("no-op dispatch mode", _per_step_us(step, options.steps)))
     with config.patch(COMPILE=False), ae.enabled():
         rows.append(("runtime, compile off (cold path)", _per_step_us(step, options.steps)))

@@ -29,3 +29,16 @@ class AdaptiveMode(TorchDispatchMode):
             counters.fallback("torch_compile")
             return func(*args, **(kwargs or {}))
         return self.runtime.on_op(func, args, kwargs or {})
+
+
+class PassThroughMode(TorchDispatchMode):
+    """A dispatch mode that does nothing: the floor any Python interception costs (see
+    bench/overhead.py), and the oracle for ops that PyTorch decomposes differently whenever a
+    Python dispatch mode is active (tests/runtime/test_opinfo.py)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))

@@ -11,12 +11,14 @@ compiler (all of them) and by real Inductor (a marked, smaller subset).
 """
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import adaptive_eager as ae
 from adaptive_eager.config import config
+from adaptive_eager.dispatch.mode import PassThroughMode
 
 common = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 
@@ -27,15 +29,6 @@ SKIPS = {   # op name -> why its samples cannot be compared
     "nn.functional.embedding_bag": "eager differs run to run (parallel reduction)",
     "linalg.lstsq": "eager differs run to run (LAPACK driver)",
 }
-
-
-class PassThrough(TorchDispatchMode):
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 def _tensors(value) -> list:
@@ -117,7 +110,7 @@ def test_every_sample_per_op_equals_eager():
             compared += 1
             if _same(actual, expected, exact=True):
                 continue
-            with PassThrough():
+            with PassThroughMode():
                 under_any_mode = _call(op, sample)
             if _same(actual, under_any_mode, exact=True):
                 mode_dependent += 1
@@ -128,21 +121,31 @@ def test_every_sample_per_op_equals_eager():
     assert mode_dependent < 100, mode_dependent
 
 
-def _fused_sweep(ops):
-    compared, fused, mismatches = 0, 0, []
+def _fused_sweep(ops, call=_call, runs=3, per_op=None):
+    """Each sample hot at first sight and run ``runs`` times under the runtime (at most
+    ``per_op`` samples per op); asserts no mismatch and no compile failure, returns
+    (samples compared, samples that ran fused)."""
+    compared, fused, mismatches, failed = 0, 0, [], []
+    taken = collections.Counter()
     with config.patch(HOT_THRESHOLD=1):
         for op, sample in _samples(ops):
+            if per_op is not None and taken[op.name] >= per_op:
+                continue
             valid, expected = _eager(op, sample)
             if not valid:
                 continue
+            taken[op.name] += 1
             ae.reset()
             with ae.enabled():
-                results = [_call(op, sample) for _ in range(3)]
+                results = [call(op, sample) for _ in range(runs)]
+            stats = ae.stats()
             compared += 1
-            fused += ae.stats().fused_executions > 0
+            fused += stats.fused_executions > 0
+            if stats.compile_failures:
+                failed.append(op.name)
             if not all(_same(result, expected, exact=False) for result in results):
                 mismatches.append(op.name)
-    assert mismatches == []
+    assert mismatches == [] and failed == [], (mismatches, failed)
     return compared, fused
 
 
@@ -166,24 +169,5 @@ INDUCTOR_OPS = [op for op in common.op_db if op.name in {
 @pytest.mark.inductor
 def test_a_few_ops_fused_by_inductor():
     """Two samples per op: a few minutes of real compiles."""
-    taken: dict[str, int] = {}
-    compared = fused = 0
-    mismatches = []
-    with config.patch(HOT_THRESHOLD=1):
-        for op, sample in _samples(INDUCTOR_OPS):
-            if taken.get(op.name, 0) >= 2:
-                continue
-            valid, expected = _eager(op, sample)
-            if not valid:
-                continue
-            taken[op.name] = taken.get(op.name, 0) + 1
-            ae.reset()
-            with ae.enabled():
-                results = [_call_then_copy(op, sample) for _ in range(2)]
-            compared += 1
-            fused += ae.stats().fused_executions > 0
-            if not all(_same(result, expected, exact=False) for result in results):
-                mismatches.append(op.name)
-            assert ae.stats().compile_failures == 0, (op.name, ae.stats().fallbacks)
-    assert mismatches == []
+    compared, fused = _fused_sweep(INDUCTOR_OPS, call=_call_then_copy, runs=2, per_op=2)
     assert compared >= 30 and fused >= 10, (compared, fused)
