@@ -43,10 +43,6 @@ _lock = threading.Lock()
 _last: dict[tuple, list] = {}       # (decision, identity) -> [last time, suppressed count]
 
 
-def enabled_for(decision: str) -> bool:
-    return log.isEnabledFor(DECISIONS[decision][0])
-
-
 def decide(decision: str, **fields) -> None:
     """Log one decision (if its level is enabled and it is not a too-recent repeat)."""
     level, identity_field = DECISIONS[decision]

@@ -159,10 +159,6 @@ class CompileWorker:
         self.restarts = 0
         atexit.register(self.close)               # never outlive, nor hold up, the program
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._deadlines)
-
     def submit(self, request: CompileRequest) -> None:
         with self._lock:
             process = self._ensure_started()
