@@ -43,7 +43,14 @@ def _enable_for_process() -> None:
     import atexit
 
     from adaptive_eager import api
-    api.enable()
+    from adaptive_eager.config import ConfigError
+    try:
+        api.enable()
+    except ConfigError as err:
+        # Inside the program's `import torch`: a traceback there would point at torch. One
+        # line saying what to fix, and the program runs as plain eager PyTorch.
+        print(f"adaptive-eager: {err} Running without adaptive-eager.", file=sys.stderr)
+        return
     atexit.register(api.disable)
 
 

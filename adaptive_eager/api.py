@@ -88,6 +88,7 @@ def disable() -> None:
         escapes.uninstall()
         if not engine.live_runtimes():
             unfreeze_gc()              # user objects frozen with Inductor's become collectable
+            engine.release_idle_resources()
 
 
 def is_enabled() -> bool:
@@ -130,6 +131,16 @@ def control_point() -> None:
         decide("resumed")
     if not any(r.pause_requested for r in engine.live_runtimes()):
         control.no_pause_pending()
+
+
+def pause_point_reached() -> bool:
+    """Is this thread between two ops with its runtime wanting to pause (or no longer
+    wanting to)? The check of the one-shot pause hook in dispatch/control.py."""
+    stack = _stack()
+    if not stack:
+        return True
+    runtime, mode = stack[-1]
+    return not runtime.pause_requested or _current_mode() is mode
 
 
 def is_paused() -> bool:

@@ -84,6 +84,15 @@ def _key_prefixes(text: str) -> tuple:
     return prefixes
 
 
+def _directory(text: str) -> str:
+    path = os.path.abspath(os.path.expanduser(text.strip()))
+    if not text.strip():
+        raise ValueError("expected a directory path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} exists and is not a directory")
+    return path
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "adaptive_eager")
@@ -137,10 +146,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BUFFER_POOL_MB", _non_negative_int, lambda: 1024,
             "Memory (MiB) kept to reuse for large deferred outputs (saves page faults); "
             "0 disables the pool."),
-    Setting("CACHE_DIR", str, _default_cache_dir,
+    Setting("CACHE_DIR", _directory, _default_cache_dir,
             "Where compiled kernels and segment records are kept (shared by processes)."),
     Setting("CACHE_SIZE", _positive_int, lambda: 256,
             "Compiled kernels kept loaded in memory; the least recently used are evicted."),
+    Setting("MAX_KEYS", _positive_int, lambda: 10000,
+            "Segment keys remembered in memory, with their recorded ops; past this the least "
+            "recently seen keys without a kernel are forgotten (their decisions stay on disk)."),
+    Setting("CACHE_MAX_ENTRIES", _positive_int, lambda: 50000,
+            "Segment records kept in the cache directory; past this the least recently used "
+            "are removed with their artifacts, so disk use stays bounded."),
     Setting("LOG", _log_level, lambda: None,
             "Decision log on the 'adaptive_eager' logger: off, warning, info (each key "
             "decision) or debug (also divergences and per-op fallbacks). Unset: the program's "

@@ -1,23 +1,70 @@
 import pytest
 
+import adaptive_eager as ae
+
 from adaptive_eager.config import SETTINGS, ConfigError, config
 
 
-@pytest.mark.parametrize("variable, value, accepts", [
-    ("NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD", "zero", "integer >= 1"),
-    ("NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD", "0", "integer >= 1"),
-    ("NEURON_ADAPTIVE_EAGER_MAX_SEGMENT_OPS", "-3", "integer >= 1"),
-    ("NEURON_ADAPTIVE_EAGER_COMPILE", "maybe", "1/0"),
-    ("NEURON_ADAPTIVE_EAGER_LOG", "loud", "off, warning, info, debug"),
-    ("NEURON_ADAPTIVE_EAGER_BUFFER_POOL_MB", "-1", "integer >= 0"),
-])
-def test_bad_value_names_the_variable_and_what_it_accepts(monkeypatch, variable, value, accepts):
-    monkeypatch.setenv(variable, value)
+# A wrong value for every setting, and what its error must say is accepted.
+BAD_VALUES = {
+    "ENABLE": ("maybe", "1/0"),
+    "COMPILE": ("maybe", "1/0"),
+    "HOT_THRESHOLD": ("zero", "integer >= 1"),
+    "MAX_SEGMENT_OPS": ("-3", "integer >= 1"),
+    "ASYNC": ("2", "1/0"),
+    "COMPILE_TIMEOUT_S": ("0", "integer >= 1"),
+    "PAUSE": ("sometimes", "1/0"),
+    "PAUSE_WINDOW": ("1.5", "integer >= 1"),
+    "MIN_SEGMENT_US": ("-1", "integer >= 0"),
+    "KEEP_UNPROFITABLE": ("keep", "1/0"),
+    "MAX_SHAPE_VARIANTS": ("0", "integer >= 1"),
+    "BUFFER_POOL_MB": ("-1", "integer >= 0"),
+    "CACHE_DIR": ("  ", "a directory path"),
+    "CACHE_SIZE": ("many", "integer >= 1"),
+    "MAX_KEYS": ("0", "integer >= 1"),
+    "CACHE_MAX_ENTRIES": ("", "integer >= 1"),
+    "LOG": ("loud", "off, warning, info, debug"),
+    "VERIFY": ("paranoid", "strict"),
+    "REPORT": ("report.txt", "ending in .json"),
+    "DISABLE_KEYS": ("xyz", "hexadecimal digest prefixes"),
+}
+
+
+def test_every_setting_has_a_bad_value_case():
+    assert set(BAD_VALUES) == {setting.name for setting in SETTINGS}
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda setting: setting.name)
+def test_bad_value_names_the_variable_and_what_it_accepts(monkeypatch, setting):
+    value, accepts = BAD_VALUES[setting.name]
+    monkeypatch.setenv(setting.env_var, value)
     config.reload()
     with pytest.raises(ConfigError) as info:
         config.validate_all()
-    assert variable in str(info.value) and accepts in str(info.value)
-    monkeypatch.delenv(variable)
+    assert setting.env_var in str(info.value) and accepts in str(info.value)
+    assert str(info.value).count("\n") == 0                  # one line
+    monkeypatch.delenv(setting.env_var)
+    config.reload()
+
+
+def test_enable_refuses_a_bad_setting_and_stays_off(monkeypatch):
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD", "often")
+    config.reload()
+    with pytest.raises(ConfigError, match="NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD"):
+        ae.enable()
+    assert not ae.is_enabled()
+    monkeypatch.delenv("NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD")
+    config.reload()
+
+
+def test_a_cache_dir_that_is_a_file_is_refused(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("NEURON_ADAPTIVE_EAGER_CACHE_DIR", str(blocker))
+    config.reload()
+    with pytest.raises(ConfigError, match="is not a directory"):
+        config.validate_all()
+    monkeypatch.delenv("NEURON_ADAPTIVE_EAGER_CACHE_DIR")
     config.reload()
 
 

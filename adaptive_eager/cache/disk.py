@@ -17,10 +17,12 @@ import sys
 import time
 
 from adaptive_eager.cache.store import SegmentRecord, Store
+from adaptive_eager.config import config
 
 log = logging.getLogger("adaptive_eager")
 
 FLUSH_INTERVAL_S = 5.0      # counters reach the disk at most this late (and at exit)
+TRIM_EVERY_FLUSHES = 20     # how often the record count is checked against CACHE_MAX_ENTRIES
 
 
 @functools.lru_cache(maxsize=4)
@@ -63,6 +65,8 @@ class DiskCache:
         self.store = Store(directory)
         self._pending: dict[str, dict] = {}
         self._base: dict[str, dict] = {}
+        self._forgotten: set[str] = set()       # descriptions to drop after the next flush
+        self._flushes = 0
         self._last_flush = time.monotonic()
         self._use_inductor_cache_inside()
         atexit.register(self.flush)
@@ -123,6 +127,13 @@ class DiskCache:
                               "torch_version": parts["context"]["torch_version"],
                               "fingerprint": build_fingerprint(compiler_name)}
 
+    def forget(self, digest: str) -> None:
+        """The runtime no longer tracks ``digest``: drop its description once written."""
+        if digest in self._pending:
+            self._forgotten.add(digest)
+        else:
+            self._base.pop(digest, None)
+
     def note(self, digest: str, **fields) -> None:
         """Queue fields for a registered key's record; ``seen``/``fused_runs`` are deltas."""
         pending = self._pending.setdefault(digest, {"seen": 0, "fused_runs": 0})
@@ -139,8 +150,22 @@ class DiskCache:
         pending, self._pending = self._pending, {}
         updates = [{**self._base[digest], **fields} for digest, fields in pending.items()
                    if digest in self._base]
+        for digest in self._forgotten:
+            self._base.pop(digest, None)
+        self._forgotten.clear()
         if updates:
             self._write(updates)
+            self._flushes += 1
+            if self._flushes % TRIM_EVERY_FLUSHES == 1:
+                self._trim()
+
+    @_guarded()
+    def _trim(self) -> None:
+        removed = self.store.trim(config.CACHE_MAX_ENTRIES)
+        if removed:
+            log.info("kernel cache: removed the %d least recently used records (more than "
+                     "NEURON_ADAPTIVE_EAGER_CACHE_MAX_ENTRIES=%d)", removed,
+                     config.CACHE_MAX_ENTRIES)
 
     @_guarded()
     def _write(self, updates: list[dict]) -> None:

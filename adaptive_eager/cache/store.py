@@ -2,13 +2,14 @@
 
 Layout of ``NEURON_ADAPTIVE_EAGER_CACHE_DIR``::
 
-    segments.sqlite            records, table ``segments_v{FORMAT_VERSION}`` (WAL mode)
+    segments.sqlite            records, table ``segments_v{FORMAT_VERSION}`` (WAL mode); the
+                               format is also its ``user_version``
     artifacts/v{N}/<digest>.bin   Inductor artifacts (CompiledArtifact.save, binary format)
     inductor/                  Inductor's own cache, kept inside ours so loads are fast
 
 Safe for several processes at once: WAL journaling, a busy timeout, counters written as
 deltas, artifacts written to a temporary file and renamed into place. A database that is not
-a database, or fails SQLite's quick check, is set aside (renamed ``*.corrupt-<time>``) and
+a database, fails SQLite's quick check, or has another format, is set aside (renamed ``*.corrupt-<time>``) and
 rebuilt; an artifact whose checksum does not match is removed. Each is reported once; the
 program never sees an exception from here: a store that cannot be written is switched off.
 
@@ -27,6 +28,8 @@ import time
 from typing import Callable, Iterator
 
 import xxhash
+
+from adaptive_eager import faults
 
 log = logging.getLogger("adaptive_eager")
 
@@ -114,6 +117,12 @@ class Store:
     # ------------------------------------------------------------------ connection
 
     def _connect(self) -> sqlite3.Connection:
+        if self._conn is not None and not os.path.exists(self.db_path):
+            # The directory was removed under us (`rm -rf`, `cache clear` by hand): SQLite
+            # would go on writing into the unlinked file and lose it all. Start a new one.
+            log.warning("cache database %s disappeared; recreating it", self.db_path)
+            self._conn.close()
+            self._conn = None
         if self._conn is None:
             os.makedirs(self.artifact_dir, exist_ok=True)
             try:
@@ -133,8 +142,17 @@ class Store:
             status = conn.execute("PRAGMA quick_check").fetchone()[0]
             if status != "ok":
                 raise sqlite3.DatabaseError(f"quick_check: {status}")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, FORMAT_VERSION):
+                raise sqlite3.DatabaseError(f"written in format {version}; this is format "
+                                            f"{FORMAT_VERSION}")
             columns = ", ".join(f"{name} {kind}" for name, kind in _COLUMNS)
             conn.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} ({columns})")
+            found = tuple(row[1] for row in conn.execute(f"PRAGMA table_info({TABLE})"))
+            if found != _NAMES:
+                raise sqlite3.DatabaseError(f"table {TABLE} has other columns: {found}")
+            if version == 0:
+                conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
             return conn
         except BaseException:
             conn.close()
@@ -190,6 +208,7 @@ class Store:
         if not updates:
             return
         now = time.time()
+        faults.check_disk_write(self.directory)
         with self._transaction() as conn:
             for update in updates:
                 self._upsert(conn, update, now)
@@ -236,9 +255,18 @@ class Store:
         with self._transaction() as conn:
             for digest in digests:
                 conn.execute(f"DELETE FROM {TABLE} WHERE digest = ?", (digest,))
-        for digest in digests:
-            self.remove_artifacts(digest)
+        self.remove_artifacts(*digests)
         return len(digests)
+
+    def trim(self, max_records: int) -> int:
+        """Remove the least recently used records beyond ``max_records`` (and their
+        artifacts); returns how many."""
+        count = self._query(f"SELECT COUNT(*) FROM {TABLE}")[0][0]
+        if count <= max_records:
+            return 0
+        rows = self._query(f"SELECT digest FROM {TABLE} ORDER BY last_used LIMIT ?",
+                           (count - max_records,))
+        return self.delete([row[0] for row in rows])
 
     # ------------------------------------------------------------------ artifacts
 
@@ -251,6 +279,7 @@ class Store:
         The file is named by digest *and* content checksum, so two processes saving the same
         segment at once never leave a record pointing at the other's bytes. Returns
         (file name, size, checksum), or None when ``write`` declined."""
+        faults.check_disk_write(self.directory)
         os.makedirs(self.artifact_dir, exist_ok=True)    # also after a `rm -rf` mid-run
         temporary = self.artifact_file(f"{digest}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
@@ -290,11 +319,12 @@ class Store:
                          f"artifact_xxh = NULL, state = 'cold' WHERE digest = ?", (digest,))
         self.remove_artifacts(digest)
 
-    def remove_artifacts(self, digest: str) -> None:
-        """Remove every saved artifact of ``digest`` (not files still being written)."""
+    def remove_artifacts(self, *digests: str) -> None:
+        """Remove every saved artifact of these digests (not files still being written)."""
+        wanted = set(digests)
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.artifact_dir):
-                if name.startswith(f"{digest}-") and name.endswith(".bin"):
+                if name.endswith(".bin") and name.split("-", 1)[0] in wanted:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(self.artifact_file(name))
 

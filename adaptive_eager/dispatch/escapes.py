@@ -7,7 +7,9 @@ dispatches ``_local_scalar_dense``, a boundary.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import queue
 import threading
 
 import torch
@@ -18,7 +20,13 @@ raw_untyped_storage = torch._C.TensorBase.untyped_storage
 
 _ESCAPING_METHODS = ("numpy", "tolist", "data_ptr", "__array__", "__dlpack__", "untyped_storage",
                      "storage", "_typed_storage", "__reduce_ex__")
-_originals: dict[str, object] = {}
+# Note [Handoffs]: another thread does not run under this thread's runtime, so its ops on a
+# deferred tensor would read unfilled memory. The usual ways of handing data to a thread
+# flush the handing thread's deferred work first. (Sharing through a plain variable is not
+# covered: README, "Threads".)
+_HANDOFFS = ((queue.Queue, "put"), (threading.Thread, "start"),
+             (concurrent.futures.ThreadPoolExecutor, "submit"))
+_originals: dict[tuple, object] = {}
 _lock = threading.Lock()
 _installs = 0
 
@@ -30,26 +38,38 @@ def _flush_deferred() -> None:
             runtime.flush(end_segment=False)
 
 
-def _flushing(method):
+def _flush_this_thread() -> None:
+    from adaptive_eager.runtime.engine import live_runtimes
+    me = threading.get_ident()
+    for runtime in live_runtimes():
+        if runtime.owner_thread == me and runtime.has_deferred():
+            runtime.flush(end_segment=False)
+
+
+def _flushing(method, flush):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        _flush_deferred()
+        flush()
         return method(self, *args, **kwargs)
     wrapper.__adaptive_eager_original__ = method
     return wrapper
 
 
+def _wrapped_methods():
+    yield from ((torch.Tensor, name, _flush_deferred) for name in _ESCAPING_METHODS)
+    yield from ((owner, name, _flush_this_thread) for owner, name in _HANDOFFS)
+
+
 def install() -> None:
-    """Wrap the escaping methods (counted: nested enables install once)."""
+    """Wrap the escaping methods and handoffs (counted: nested enables install once)."""
     global _installs
     with _lock:
         _installs += 1
         if _installs > 1:
             return
-        for name in _ESCAPING_METHODS:
-            original = getattr(torch.Tensor, name)
-            _originals[name] = torch.Tensor.__dict__.get(name)
-            setattr(torch.Tensor, name, _flushing(original))
+        for owner, name, flush in _wrapped_methods():
+            _originals[owner, name] = owner.__dict__.get(name)
+            setattr(owner, name, _flushing(getattr(owner, name), flush))
 
 
 def uninstall() -> None:
@@ -58,9 +78,9 @@ def uninstall() -> None:
         _installs -= 1
         if _installs > 0:
             return
-        for name, original in _originals.items():
+        for (owner, name), original in _originals.items():
             if original is None:
-                delattr(torch.Tensor, name)
+                delattr(owner, name)
             else:
-                setattr(torch.Tensor, name, original)
+                setattr(owner, name, original)
         _originals.clear()

@@ -37,7 +37,7 @@ class BufferPool:
         nbytes = storage_bytes(meta)
         if nbytes < MIN_POOLED_BYTES or self.max_bytes <= 0:
             return meta.empty()
-        slots = self._slots.setdefault((meta.device, nbytes), [])
+        slots = self._slots.get((meta.device, nbytes), ())
         for storage in slots:
             if _use_count(storage._cdata) == 1:
                 tensor = torch.empty((0,), dtype=meta.dtype, device=meta.device)
@@ -45,7 +45,8 @@ class BufferPool:
                     return tensor.set_(storage, 0, meta.shape, meta.stride)
         tensor = meta.empty()
         if len(slots) < MAX_PER_SIZE and self.held_bytes + nbytes <= self.max_bytes:
-            slots.append(raw_untyped_storage(tensor))
+            # (no slot list for sizes never kept: ever-new shapes must not grow the dict)
+            self._slots.setdefault((meta.device, nbytes), []).append(raw_untyped_storage(tensor))
             self.held_bytes += nbytes
         return tensor
 

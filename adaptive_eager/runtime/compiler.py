@@ -17,6 +17,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 import torch.fx as fx
 
+from adaptive_eager import faults
 from adaptive_eager.runtime.graph import build_graph
 from adaptive_eager.runtime.segment import Segment
 
@@ -127,5 +128,6 @@ def compile_segment(segment: Segment, compiler: Compiler) -> tuple[FusedKernel, 
     graph = build_graph(segment, segment.live_refs)
     example_inputs = [meta.empty() for meta in segment.input_metas]
     example_inputs += [segment.out_meta(ref).empty() for ref in segment.live_refs]
+    faults.check_compile()
     kernel = compiler.compile(graph, example_inputs)
     return kernel, time.perf_counter() - started

@@ -18,6 +18,8 @@ import time
 log = logging.getLogger("adaptive_eager")
 
 REPEAT_INTERVAL_S = 10.0
+MAX_REMEMBERED = 4096       # (decision, key) pairs kept for rate limiting: ever-new keys must
+                            # not grow it without bound
 # decision -> (level, the field that identifies "the same decision again")
 DECISIONS = {
     "hot": (logging.INFO, "key"),
@@ -57,10 +59,20 @@ def decide(decision: str, **fields) -> None:
             return
         suppressed = last[1] if last is not None else 0
         _last[identity] = [now, 0]
+        if len(_last) > MAX_REMEMBERED:
+            _forget_older_than(now - REPEAT_INTERVAL_S)
+            if len(_last) > MAX_REMEMBERED:     # a storm of new keys: start over
+                _last.clear()
     text = " ".join(f"{name}={_format(value)}" for name, value in fields.items())
     if suppressed:
         text += f" repeats_suppressed={suppressed}"
     log.log(level, "decision=%s %s", decision, text)
+
+
+def _forget_older_than(moment: float) -> None:
+    """Drop rate-limit entries last logged before ``moment`` (they would log again anyway)."""
+    for identity in [i for i, (logged, _) in _last.items() if logged < moment]:
+        del _last[identity]
 
 
 def _format(value) -> str:

@@ -71,6 +71,15 @@ def live_runtimes() -> list["Runtime"]:
     return list(_live_runtimes)
 
 
+def release_idle_resources() -> None:
+    """No runtime is enabled any more: stop the compile worker if it is idle (a process
+    holding Inductor's memory). Kernels and what is known of keys stay, bounded by CACHE_SIZE
+    and MAX_KEYS, so enabling again is instant; ``reset()`` releases them too."""
+    table = _shared_table
+    if table is not None:
+        table.stop_idle_worker()
+
+
 @contextlib.contextmanager
 def below_autograd() -> Iterator[None]:
     """The state ops see inside the dispatch mode: below autograd, no autocast.
@@ -151,6 +160,7 @@ class Runtime:
         self._builder: SegmentBuilder | None = None
         self._hot: TrieNode | None = None      # set while deferring along a compiled segment
         self._busy_thread: int | None = None
+        self.owner_thread = threading.get_ident()   # the thread that enabled it
         self._max_ops = config.MAX_SEGMENT_OPS
         self.pool = BufferPool(config.BUFFER_POOL_MB << 20)
         # Per-op counts stay local (no lock per op) and are published at segment ends.
@@ -363,27 +373,50 @@ class Runtime:
         return variant
 
     def _run_fused(self, variant, builder: SegmentBuilder) -> bool:
+        """Run the kernel. True when the segment is finished: fused, or per-op after a check
+        caught a broken kernel; False when the caller must replay it per-op."""
         segment = variant.segment
         buffers = [builder.live_tensor(ref) for ref in segment.live_refs]
         buffers = [self.pool.empty(segment.out_meta(ref)) if t is None else t
                    for ref, t in zip(segment.live_refs, buffers)]
-        checker = Verification(segment, builder.inputs) if config.VERIFY != "off" else None
+        checker = _checker(variant, builder.inputs)
         try:
             with _profiler_range(variant):
                 _run_kernel(variant.kernel, builder.inputs, buffers)
         except Exception as err:  # a kernel that fails at run time is dropped, not fatal
             self.table.demote(variant, f"kernel_error: {type(err).__name__}: {err}")
-            return False
+            if checker is None:
+                return False
+            checker.keep_per_op_result(buffers, builder.inputs)   # it may have written some
+            self._per_op += len(builder)
+            return True
         seconds = time.perf_counter() - builder.started
         if checker is not None and not checker.passes(buffers, builder.inputs):
-            digest = variant.entry.digest
-            decide("verify_mismatch", key=digest, max_error=checker.max_error,
-                   ops=" ".join(str(op.func) for op in variant.segment.ops))
-            checker.keep_per_op_result(buffers, builder.inputs)
-            self.table.demote(variant, checker.reason)
-            if config.VERIFY == "strict":
-                raise VerificationError(checker.message(digest))
+            self._reject(variant, checker, buffers, builder.inputs)
+            self._per_op += len(builder)
+            return True
+        variant.on_probation = False
         counters.add("fused_executions")
         counters.add("fused_ops", len(builder))
         self.table.touch(variant, seconds)
         return True
+
+    def _reject(self, variant, checker: Verification, buffers: list, inputs: list) -> None:
+        """A fused run computed something else than per-op: keep the per-op result, never run
+        that kernel again (and raise, with VERIFY=strict)."""
+        digest = variant.entry.digest
+        decide("verify_mismatch", key=digest, max_error=checker.max_error,
+               ops=" ".join(str(op.func) for op in variant.segment.ops))
+        checker.keep_per_op_result(buffers, inputs)
+        self.table.demote(variant, checker.reason)
+        if config.VERIFY == "strict":
+            raise VerificationError(checker.message(digest))
+
+
+def _checker(variant, inputs: list) -> Verification | None:
+    """Every run is checked with VERIFY on; a new kernel's first run always (Note [Probation])."""
+    if config.VERIFY != "off":
+        return Verification(variant.segment, inputs)
+    if variant.on_probation:
+        return Verification(variant.segment, inputs, probation=True)
+    return None

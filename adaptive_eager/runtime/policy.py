@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import OrderedDict
 import gc
+import itertools
 import os
+import shutil
 import statistics
 import threading
 import time
 
+import cachetools
+
+from adaptive_eager import faults
 from adaptive_eager.cache.digest import stable_digest
 from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.cache.memory import KernelLRU
@@ -24,7 +30,7 @@ from adaptive_eager.config import config
 from adaptive_eager.dispatch.signature import without_shapes
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
 from adaptive_eager.runtime.graph import build_graph
-from adaptive_eager.runtime.worker import CompileRequest, CompileWorker
+from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.describe import key_parts, op_lines
 from adaptive_eager.runtime.segment import Segment
@@ -177,8 +183,9 @@ class KeyTable:
         self.trie = trie
         self.disk = disk
         self.kernels = KernelLRU(memory_size or config.CACHE_SIZE, self._evicted)
-        self._entries: dict[tuple, KeyEntry] = {}
-        self._structures: dict[tuple, int] = {}    # structure -> shape variants seen
+        self._entries: OrderedDict[tuple, KeyEntry] = OrderedDict()   # least recently seen 1st
+        # structure -> shape variants seen; an LRU so ever-new structures stay bounded
+        self._structures = cachetools.LRUCache(maxsize=config.MAX_KEYS)
         self._lock = threading.RLock()
         self.worker: CompileWorker | None = None
         self._compiling: dict[int, KeyEntry] = {}   # request id -> entry
@@ -200,6 +207,9 @@ class KeyTable:
             entry = self._entries.get(segment.key)
             if entry is None:
                 entry = self._entries[segment.key] = self._new_entry(segment)
+                self._forget_least_recent()
+            else:
+                self._entries.move_to_end(segment.key)
             entry.seen += 1
             entry.compute_seconds = min(entry.compute_seconds, compute_seconds)
             entry.add_sample(entry.eager_samples, seconds)
@@ -209,6 +219,21 @@ class KeyTable:
                 self._turn_hot(entry)
         self.maybe_flush()
         return entry
+
+    def _forget_least_recent(self) -> None:
+        """Keep at most MAX_KEYS entries: forget the least recently seen that hold no kernel
+        and are not compiling (what was decided about them stays on disk)."""
+        excess = len(self._entries) - config.MAX_KEYS
+        if excess <= 0:
+            return
+        forgettable = list(itertools.islice(
+            (key for key, entry in self._entries.items()
+             if entry.state not in (KeyState.READY, KeyState.COMPILING)), excess))
+        for key in forgettable:
+            entry = self._entries.pop(key)
+            if self.disk is not None:
+                self.disk.forget(entry.digest)
+        counters.add("keys_forgotten", len(forgettable))
 
     def _new_entry(self, segment: Segment) -> KeyEntry:
         counters.add("keys_seen")
@@ -285,7 +310,7 @@ class KeyTable:
 
     def _compile(self, entry: KeyEntry) -> None:
         compiler = current_compiler()
-        if config.ASYNC and self.disk is not None and self.disk.enabled:
+        if config.ASYNC and self.disk is not None:
             self._submit(entry, compiler)
             return
         try:
@@ -339,29 +364,44 @@ class KeyTable:
         if not self._compiling:
             self._threads.compiles_done()
 
+    def stop_idle_worker(self) -> None:
+        self.poll_compiles()
+        with self._lock:
+            if self.worker is not None and not self._compiling:
+                self.worker.close()
+                self.worker = None
+
     def _finish_background(self, entry: KeyEntry, result) -> None:
         if not result.ok:
             counters.add("compile_failures")
             self.mark_failed(entry, result.error)
             return
-        name, size, checksum = result.artifact
-        path = self.disk.store.artifact_file(name)
+        path, size, checksum = result.artifact
         kernel = self.disk.load_kernel(path, current_compiler())
+        persisted = os.path.dirname(path) == self.disk.store.artifact_dir
+        if is_transfer_file(path):         # shipped through a temporary directory: done with
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         if kernel is None:
             counters.add("compile_failures")
             self.mark_failed(entry, "compile_error: the worker's artifact did not load")
             return
-        entry.compile_seconds, entry.saved_artifact = result.seconds, path
+        entry.compile_seconds = result.seconds
         counters.add("compiles")
         counters.add("compile_seconds", result.seconds)
         self._install(entry, kernel)
+        artifact = {}
+        if persisted:
+            entry.saved_artifact = path
+            artifact = {"artifact": os.path.basename(path), "artifact_bytes": size,
+                        "artifact_xxh": checksum}
         self._note(entry, state=entry.state.value, reason=None, compile_seconds=result.seconds,
-                   artifact=name, artifact_bytes=size, artifact_xxh=checksum)
+                   **artifact)
         self.flush()
         decide("compiled", key=entry.digest, ops=len(entry.segment.ops),
                seconds=result.seconds, compiler="worker")
 
     def _install(self, entry: KeyEntry, kernel) -> None:
+        kernel = faults.damaged_kernel(kernel)
         freeze_gc_after_inductor()
         entry.state = KeyState.READY
         variant = self.trie.insert(entry.segment, kernel, entry)

@@ -14,6 +14,7 @@ class Stats:
     ops_seen: int = 0
     segments_recorded: int = 0
     keys_seen: int = 0
+    keys_forgotten: int = 0
     hot_keys: int = 0
     compiles: int = 0
     compile_failures: int = 0

@@ -21,6 +21,7 @@ class Variant:
     entry: Any                      # the policy's KeyEntry, for counting fused runs
     live_set: frozenset = dataclasses.field(init=False)
     mutates: bool = dataclasses.field(init=False)   # has in-place ops (on inputs, maybe)
+    on_probation: bool = True       # its first run is checked (see Note [Probation])
 
     def __post_init__(self) -> None:
         self.live_set = frozenset(self.segment.live_refs)

@@ -1,4 +1,13 @@
-"""Verify mode (NEURON_ADAPTIVE_EAGER_VERIFY): check each fused run against per-op execution.
+"""Checking fused runs against per-op execution.
+
+Note [Probation]: every new kernel's first fused run is checked, whatever the settings, so a
+broken kernel (a miscompile, a callable that writes the wrong shapes) is caught before its
+results are used: it is demoted and the per-op results are kept. That check allows the
+rounding differences fusion brings (its error is measured against the outputs' magnitude, see
+PROBATION_TOLERANCES); it is a guard against garbage, not a numerics audit.
+
+Verify mode (NEURON_ADAPTIVE_EAGER_VERIFY) checks every fused run, with torch.testing's
+tolerances.
 
 Before the kernel runs, the segment is executed per-op on copies of its inputs; afterwards the
 kernel's outputs, and the inputs it mutated, are compared with those results using dtype-aware
@@ -23,6 +32,17 @@ TOLERANCES = {
 }
 
 
+# max |fused - per-op| / max |per-op|, per dtype, for the probation check of a new kernel.
+PROBATION_TOLERANCES = {
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+    torch.float32: 1e-3,
+    torch.float64: 1e-6,
+    torch.complex64: 1e-3,
+    torch.complex128: 1e-6,
+}
+
+
 class VerificationError(RuntimeError):
     """A fused segment computed something else than its ops do one by one (VERIFY=strict)."""
 
@@ -40,9 +60,26 @@ def _close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     return bool(torch.isclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True).all())
 
 
+def _roughly_equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """The probation check: same NaNs, and an error small against the values' magnitude."""
+    tolerance = PROBATION_TOLERANCES.get(actual.dtype)
+    if tolerance is None:
+        return torch.equal(actual, expected)
+    if not torch.equal(actual.isnan(), expected.isnan()):
+        return False
+    wide = torch.complex128 if actual.is_complex() else torch.float64
+    actual, expected = actual.to(wide).nan_to_num(), expected.to(wide).nan_to_num()
+    if not actual.numel():
+        return True
+    scale = max(float(expected.abs().max()), 1e-30)
+    return float((actual - expected).abs().max()) <= tolerance * scale
+
+
 class Verification:
-    def __init__(self, segment: Segment, inputs: list) -> None:
+    def __init__(self, segment: Segment, inputs: list, probation: bool = False) -> None:
         self.segment = segment
+        self._close = _roughly_equal if probation else _close
+        self.kind = "kernel_mismatch" if probation else "verify_mismatch"
         self.copies = [t.clone() for t in inputs]          # before the kernel mutates any
         targets = [(ref, segment.out_meta(ref).empty()) for ref in segment.live_refs]
         run_eagerly(segment.ops, self.copies, targets)
@@ -52,11 +89,12 @@ class Verification:
 
     def passes(self, buffers: list, inputs: list) -> bool:
         pairs = list(zip(buffers, self.expected)) + list(zip(inputs, self.copies))
-        bad = [(actual, expected) for actual, expected in pairs if not _close(actual, expected)]
+        bad = [(actual, expected) for actual, expected in pairs
+               if actual.shape != expected.shape or not self._close(actual, expected)]
         if not bad:
             return True
         self.max_error = max(_max_error(actual, expected) for actual, expected in bad)
-        self.reason = f"verify_mismatch: max error {self.max_error:.3g}"
+        self.reason = f"{self.kind}: max error {self.max_error:.3g}"
         return False
 
     def message(self, digest: str) -> str:
@@ -68,6 +106,10 @@ class Verification:
         """Overwrite what the kernel wrote with the per-op results."""
         for buffer, expected in zip(buffers, self.expected):
             buffer.copy_(expected)
+        self.restore_inputs(inputs)
+
+    def restore_inputs(self, inputs: list) -> None:
+        """Undo what a kernel wrote into its inputs (inputs as per-op execution left them)."""
         for tensor, copy in zip(inputs, self.copies):
             if not torch.equal(tensor, copy):
                 tensor.copy_(copy)

@@ -5,8 +5,9 @@ throughput lost), two compile threads crash Inductor, and it breaks the user's o
 torch.compile (DESIGN.md). So hot segments go to one worker process, started with
 ``python -m adaptive_eager.runtime.worker`` (not multiprocessing's spawn, which would re-run the
 user's main module), at lower priority. It compiles one graph at a time (for the program's
-intra-op thread count: Inductor bakes it into CPU kernels), saves the artifact into the shared cache directory, and answers with its file name;
-the runtime loads it (~7 ms) and swaps the kernel in at a segment boundary. Meanwhile the
+intra-op thread count: Inductor bakes it into CPU kernels), saves the artifact into the shared
+cache directory (or a private temporary one when that cannot be written), and answers with its
+path; the runtime loads it (~7 ms) and swaps the kernel in at a segment boundary. Meanwhile the
 program goes on per-op.
 
 Protocol: length-prefixed pickles over the worker's stdin/stdout. The worker's own prints go to
@@ -26,11 +27,20 @@ import struct
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 from typing import Any, BinaryIO
 
+from adaptive_eager import faults
+
 _HEADER = struct.Struct("<Q")
 WORKER_LOG = "worker.log"      # in the cache directory: the worker's stderr
+TRANSFER_PREFIX = "adaptive-eager-transfer-"   # temporary directories of unpersisted kernels
+
+
+def is_transfer_file(path: str) -> bool:
+    """Was ``path`` shipped through a temporary directory (to be removed once loaded)?"""
+    return os.path.basename(os.path.dirname(path)).startswith(TRANSFER_PREFIX)
 
 
 def _send(stream: BinaryIO, message: Any) -> None:
@@ -66,7 +76,7 @@ class CompileResult:
     request_id: int
     digest: str
     ok: bool
-    artifact: tuple | None = None                     # (file name, size, checksum)
+    artifact: tuple | None = None                     # (path, size, checksum)
     seconds: float = 0.0
     error: str | None = None
 
@@ -87,19 +97,38 @@ def _compile(request: CompileRequest, store, compilers: dict) -> CompileResult:
     import torch
     started = time.perf_counter()
     try:
+        faults.check_compile(in_worker=True)
         torch.set_num_threads(request.threads)
         compiler = _instantiate(request.compiler, compilers)
         example_inputs = [meta.empty() for meta in request.input_metas]
         kernel = compiler.compile(request.graph, example_inputs)
-        saved = store.save_artifact(request.digest, lambda path: compiler.save(kernel, path))
+        shipped = _ship(request.digest, kernel, compiler, store)
     except Exception as err:  # reported to the runtime, which runs the segment per-op
         return CompileResult(request.request_id, request.digest, False,
                              error=f"compile_error: {type(err).__name__}: {err}"[:500])
-    if saved is None:
+    if shipped is None:
         return CompileResult(request.request_id, request.digest, False,
                              error="compile_error: the kernel cannot be saved for shipping")
-    return CompileResult(request.request_id, request.digest, True, saved,
+    return CompileResult(request.request_id, request.digest, True, shipped,
                          time.perf_counter() - started)
+
+
+def _ship(digest: str, kernel, compiler, store) -> tuple | None:
+    """Save ``kernel`` where the program can load it: (path, size, checksum), or None if it
+    cannot be saved. Into the cache directory; where that cannot be written (read-only, disk
+    full), into a private temporary directory the runtime removes after loading."""
+    write = lambda path: compiler.save(kernel, path)  # noqa: E731
+    try:
+        saved = store.save_artifact(digest, write)
+        return None if saved is None else (store.artifact_file(saved[0]), *saved[1:])
+    except OSError:
+        from adaptive_eager.cache.store import file_digest
+        path = os.path.join(tempfile.mkdtemp(prefix=TRANSFER_PREFIX), "kernel.bin")
+        if not write(path):
+            return None
+        with open(path, "rb") as handle:
+            data = handle.read()
+        return path, len(data), file_digest(data)
 
 
 def _die_with_parent() -> None:

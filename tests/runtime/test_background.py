@@ -10,18 +10,12 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from adaptive_eager import faults
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
 from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
 from adaptive_eager.runtime.policy import KeyState
 from helpers import MECHANICS_ENV, assert_equal
-
-
-class CrashingCompiler(CountingCompiler):
-    """Kills the worker process it runs in (module level: the worker imports it by name)."""
-
-    def compile(self, graph, example_inputs):
-        os._exit(3)
 
 
 class HangingCompiler(CountingCompiler):
@@ -71,35 +65,53 @@ def test_segments_run_per_op_until_the_worker_delivers(background, compiler):
 
 def test_a_worker_crash_fails_that_segment_and_the_worker_restarts(background):
     x = torch.randn(64)
-    with use_compiler(CrashingCompiler()), ae.enabled():
-        outs = [chain(x) for _ in range(4)]
-        ae.sync(wait_compiles=120)
-    assert _entry().state is KeyState.FAILED
-    assert _entry().reason.startswith("worker_crashed")
-    assert ae.stats().compile_failures == 1
-    for out in outs:
-        assert_equal(out, chain(x))
-    with use_compiler(CountingCompiler()), ae.enabled():
+    with ae.enabled():
+        with faults.inject("worker_crash"):
+            outs = [chain(x) for _ in range(4)]
+            ae.sync(wait_compiles=120)
+        assert _entry().state is KeyState.FAILED
+        assert _entry().reason.startswith("worker_crashed")
+        assert ae.stats().compile_failures == 1
         for _ in range(4):
             other(x)
         ae.sync(wait_compiles=120)
         result = other(x)
-    assert engine.shared_table().worker.restarts == 1
-    assert ae.stats().compiles == 1
+        assert engine.shared_table().worker.restarts == 1
+    assert ae.stats().compiles == 1 and ae.stats().fallbacks["worker_crashed"] == 1
+    for out in outs:
+        assert_equal(out, chain(x))
     assert_equal(result, other(x))
 
 
 def test_a_hanging_compile_times_out_and_the_worker_is_killed(background):
     x = torch.randn(64)
-    with use_compiler(HangingCompiler()), config.patch(COMPILE_TIMEOUT_S=3), ae.enabled():
+    with faults.inject("worker_hang"), config.patch(COMPILE_TIMEOUT_S=3), ae.enabled():
         outs = [chain(x) for _ in range(4)]
         process = engine.shared_table().worker._process
         ae.sync(wait_compiles=60)
         outs.append(chain(x))
     assert _entry().state is KeyState.FAILED and _entry().reason.startswith("compile_timeout")
+    assert ae.stats().fallbacks["compile_timeout"] == 1
     assert process.poll() is not None                          # killed
     for out in outs:
         assert_equal(out, chain(x))
+
+
+def test_the_worker_stops_when_the_last_runtime_is_disabled(background):
+    x = torch.randn(64)
+    with ae.enabled():
+        for _ in range(4):
+            result = chain(x)
+        ae.sync(wait_compiles=120)
+        process = engine.shared_table().worker._process
+        assert process.poll() is None
+    assert process.wait(timeout=10) is not None                # an idle worker's memory back
+    assert engine.shared_table().worker is None
+    with ae.enabled():                                         # the kernel stayed: no compile
+        for _ in range(3):
+            result = chain(x)
+    assert ae.stats().compiles == 1 and ae.stats().fused_executions >= 1
+    assert_equal(result, chain(x))
 
 
 EXITING = textwrap.dedent("""
