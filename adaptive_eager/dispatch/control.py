@@ -5,13 +5,13 @@ A TorchDispatchMode cannot take itself off the mode stack from inside ``__torch_
 runtime/engine.py) happens here, in the user's thread, between ops: at an optimizer step, a
 ``backward()`` call, a DataLoader batch, ``ae.sync()``, and, only while a pause is pending, at
 the next nn.Module call (a global forward pre-hook, removed once the pause took effect, since
-hooks on every module call cost a few microseconds each).
-
-Programs that pass none of these points (a bare loop of tensor ops) are never paused.
+hooks on every module call cost a few microseconds each), and, in a bare loop of tensor ops
+that passes none of these, at the next Python call event (Note [Pausing a bare loop]).
 """
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 
 _lock = threading.Lock()
@@ -52,13 +52,39 @@ def install() -> None:
 
 
 def pause_requested() -> None:
-    """A runtime wants to pause: also stop at the next nn.Module call."""
+    """A runtime of this thread wants to pause: also stop at the next nn.Module call, or
+    the next Python call event outside the dispatch mode."""
     global _module_hook
     with _lock:
         if _module_hook is None:
             import torch
             _module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 _control_point)
+    _pause_at_next_call()
+
+
+PROFILE_EVENTS_BUDGET = 10_000   # events the one-shot hook waits before giving up
+
+
+def _pause_at_next_call() -> None:
+    """Note [Pausing a bare loop]: ``for _ in range(n): y = (x * 2).sin()`` passes no control
+    point, but every torch call in it is a Python call event. A one-shot profile function
+    (this thread only) waits for the first event where the mode is back on the stack, i.e.
+    between two ops, pauses there, and removes itself: a handful of events at ~0.3 µs each.
+    A profiler the program set (cProfile) comes first: then only the other points pause. The
+    budget ends the wait if the mode never comes back on top (another mode pushed above)."""
+    if sys.getprofile() is not None:
+        return
+    from adaptive_eager import api
+    remaining = [PROFILE_EVENTS_BUDGET]
+
+    def on_event(frame, event, arg) -> None:
+        remaining[0] -= 1
+        if api.pause_point_reached() or remaining[0] <= 0:
+            sys.setprofile(None)
+            api.control_point()
+
+    sys.setprofile(on_event)
 
 
 def no_pause_pending() -> None:

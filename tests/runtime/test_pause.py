@@ -1,4 +1,5 @@
 """Pausing: where nothing is worth fusing, the runtime stops intercepting (Note [Pausing])."""
+import sys
 import time
 
 import pytest
@@ -76,10 +77,29 @@ def test_profitable_work_is_never_paused(pausing, compiler):
     assert ae.stats().fused_executions > 30 and ae.stats().pauses == 0
 
 
-def test_a_bare_loop_without_control_points_keeps_intercepting(pausing):
+def test_a_bare_loop_without_control_points_pauses_too(pausing):
     x = torch.randn(8)
     with ae.enabled():
-        for _ in range(60):
-            (x * 2).sin().sum().item()
-        assert not ae.is_paused()
-        assert _get_current_dispatch_mode() is not None
+        outs = [(x * 2).sin().sum() for _ in range(60)]
+        assert ae.is_paused()
+        assert _get_current_dispatch_mode() is None
+        assert sys.getprofile() is None                      # the one-shot hook is gone
+        assert ae.stats().pauses == 1
+        ae.sync()                                            # a control point: probes again
+    for out in outs:
+        assert_equal(out, (x * 2).sin().sum())
+
+
+def test_a_programs_own_profiler_is_left_alone(pausing):
+    x = torch.randn(8)
+    seen = []
+    profiler = lambda frame, event, arg: seen.append(event)  # noqa: E731
+    sys.setprofile(profiler)
+    try:
+        with ae.enabled():
+            for _ in range(60):
+                (x * 2).sin().sum()
+            assert sys.getprofile() is profiler and not ae.is_paused()
+    finally:
+        sys.setprofile(None)
+    assert seen
