@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -69,8 +70,9 @@ def enable() -> None:
     runtime = engine.Runtime()
     mode = AdaptiveMode(runtime)
     escapes.install()
-    mode.__enter__()
     _stack().append((runtime, mode))
+    if not _recall_pause(runtime):
+        mode.__enter__()
 
 
 def disable() -> None:
@@ -79,6 +81,7 @@ def disable() -> None:
     if not stack:
         return
     runtime, mode = stack.pop()
+    _remember_pause(runtime)
     try:
         runtime.close()
     finally:
@@ -107,6 +110,32 @@ def enabled() -> Iterator[None]:
 
 # runtime -> monotonic time its pause ends (see dispatch/control.py)
 _paused_until: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass(frozen=True)
+class _PauseMemory:
+    quiet_segments: int
+    backoff_s: float
+    paused_until: float
+
+
+def _remember_pause(runtime) -> None:
+    """A thread's pausing state outlives its runtime, so ``with ae.enabled():`` around each
+    step pauses (and stays paused) as one long enable would."""
+    _local.pause_memory = _PauseMemory(runtime.quiet_segments, runtime.pause_backoff_s,
+                                       _paused_until.get(runtime, 0.0))
+
+
+def _recall_pause(runtime) -> bool:
+    """Give a new runtime its thread's pausing state; True if it starts paused."""
+    memory = getattr(_local, "pause_memory", None)
+    if memory is None or not config.PAUSE:
+        return False
+    runtime.quiet_segments, runtime.pause_backoff_s = memory.quiet_segments, memory.backoff_s
+    if memory.paused_until > time.monotonic():
+        _paused_until[runtime] = memory.paused_until
+        return True
+    return False
 
 
 def _current_mode():
@@ -176,5 +205,6 @@ def reset() -> None:
     """Forget every key, kernel and counter (tests, benchmarks)."""
     sync()
     _publish_all_counts()
+    _local.pause_memory = None
     engine.reset_shared_table()
     counters.reset()

@@ -130,10 +130,14 @@ def without_input_identity(encoded: Any) -> Any:
 
 
 def without_shapes(encoded: Any) -> Any:
-    """``encoded`` with tensor shapes and strides reduced to ranks: the call's structure."""
+    """``encoded`` with tensor shapes and strides reduced to ranks, and integer lists (the
+    sizes of view, reshape, expand...) to their lengths: the call's structure."""
     if isinstance(encoded, TensorArg):
         return (encoded.ref, len(encoded.shape), encoded.dtype, encoded.device)
     if isinstance(encoded, tuple) and not isinstance(encoded, ScalarArg):
+        if encoded and all(isinstance(item, ScalarArg) and item.kind is int
+                           for item in encoded):
+            return ("ints", len(encoded))
         return tuple([without_shapes(item) for item in encoded])
     return encoded
 

@@ -40,6 +40,7 @@ from adaptive_eager.runtime.verify import Verification, VerificationError
 
 PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
 PAUSE_LONGEST_S = 64.0    # ...up to this
+HOPELESS_WEIGHT = 8       # see Note [Pausing]
 
 _shared_lock = threading.Lock()
 _shared_table: KeyTable | None = None
@@ -166,7 +167,7 @@ class Runtime:
         # Per-op counts stay local (no lock per op) and are published at segment ends.
         self._ops_seen = 0
         self._per_op = 0
-        self._quiet_segments = 0                   # see Note [Pausing]
+        self.quiet_segments = 0                   # see Note [Pausing]
         self.pause_requested = False
         self.pause_backoff_s = PAUSE_FIRST_S
         _live_runtimes.add(self)
@@ -310,28 +311,31 @@ class Runtime:
             seconds = time.perf_counter() - builder.started
             entry = self.table.observe(builder.finish(builder.live_refs()), seconds,
                                        builder.compute_seconds)
-            self._watch(entry.promising)
+            self._watch(entry.promising, entry.hopeless)
 
-    def _watch(self, promising: bool) -> None:
+    def _watch(self, promising: bool, hopeless: bool = False) -> None:
         """Note [Pausing]: a Python dispatch mode costs more than a tiny op itself. After
         PAUSE_WINDOW segments in a row with nothing fused, compiling or worth compiling, ask
         to stop intercepting; the pause takes effect, and ends, at control points outside the
-        mode (dispatch/control.py), since a mode cannot take itself off the stack."""
+        mode (dispatch/control.py), since a mode cannot take itself off the stack. A segment
+        already judged (too cheap, megamorphic, failed, unprofitable) is stronger evidence
+        than a new one and counts HOPELESS_WEIGHT times: dynamic shapes pause within a few
+        steps."""
         if promising:
-            self._quiet_segments = 0
+            self.quiet_segments = 0
             self.pause_backoff_s = PAUSE_FIRST_S
             return
-        self._quiet_segments += 1
-        if self._quiet_segments >= config.PAUSE_WINDOW and config.PAUSE and \
+        self.quiet_segments += HOPELESS_WEIGHT if hopeless else 1
+        if self.quiet_segments >= config.PAUSE_WINDOW and config.PAUSE and \
                 not self.pause_requested:
             self.pause_requested = True
-            decide("pause_requested", segments=self._quiet_segments)
+            decide("pause_requested", segments=self.quiet_segments)
             control.pause_requested()
 
     def paused_for(self) -> float:
         """Start a pause (at a control point): flush, and return how long it lasts."""
         self.flush()
-        self.pause_requested, self._quiet_segments = False, 0
+        self.pause_requested, self.quiet_segments = False, 0
         seconds, self.pause_backoff_s = self.pause_backoff_s, min(self.pause_backoff_s * 2,
                                                                    PAUSE_LONGEST_S)
         counters.add("pauses")

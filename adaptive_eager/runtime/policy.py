@@ -96,6 +96,12 @@ class KeyEntry:
             and self.segment.compute_ops >= MIN_COMPUTE_OPS \
             and self.compute_seconds * 1e6 >= config.MIN_SEGMENT_US
 
+    @property
+    def hopeless(self) -> bool:
+        """Was it judged never to be fused (in this process)?"""
+        return self.state in (KeyState.UNFUSIBLE, KeyState.FAILED, KeyState.UNPROFITABLE,
+                              KeyState.MEGAMORPHIC)
+
     def add_sample(self, samples: list, seconds: float) -> None:
         samples.append(seconds)
         if len(samples) > TIMING_SAMPLES:

@@ -103,3 +103,32 @@ def test_a_programs_own_profiler_is_left_alone(pausing):
     finally:
         sys.setprofile(None)
     assert seen
+
+
+def test_enabling_around_each_step_pauses_as_one_long_enable_would(pausing):
+    model, x = _tiny_mlp(), torch.randn(1, 8)
+    with torch.no_grad():
+        expected = model(x)
+        outs = []
+        for _ in range(60):                        # 3 segments a step, PAUSE_WINDOW 20
+            with ae.enabled():
+                outs.append(model(x))
+                outs[-1].sum().item()
+        with ae.enabled():
+            assert ae.is_paused() and _get_current_dispatch_mode() is None
+    assert ae.stats().pauses == 1
+    for out in outs:
+        assert_equal(out, expected)
+
+
+def test_ever_new_shapes_pause_within_a_few_steps(pausing):
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+    with config.patch(PAUSE_WINDOW=64, MAX_SHAPE_VARIANTS=4), torch.no_grad(), ae.enabled():
+        for length in range(1, 40):
+            out = block(torch.randn(2, length, 8))
+            out.sum().item()
+            if ae.is_paused():
+                break
+    # megamorphic after 4 variants, then each such segment counts 8 toward the window of 64
+    assert length <= 15, length
+    assert ae.stats().compiles == 0
