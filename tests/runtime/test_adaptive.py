@@ -52,13 +52,30 @@ def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings():
     [entry] = engine.shared_table().entries()
     assert entry.state is KeyState.UNPROFITABLE
     assert entry.fused_ms > 20 and entry.eager_ms < 20
-    assert "fused" in entry.reason and "per-op" in entry.reason
+    assert "fused" in entry.reason and "eager" in entry.reason
     stats = ae.stats()
     assert stats.fused_executions == 4                # judged after 1 warm-up + 3 timed runs
     assert stats.fallbacks["unprofitable"] == 1
     ae.reset()                                        # persisted for the next process
     [record] = Store(config.CACHE_DIR).records()
     assert record.state == "unprofitable" and record.fused_ms > 20 and record.eager_ms < 20
+
+
+def test_a_kernel_is_judged_against_plain_eager_not_the_intercepted_per_op_path():
+    """Per-op runs under the runtime also pay for interception; a kernel that only beats
+    that, not the ops' own time, would keep the program slower than plain eager."""
+    x = torch.randn(64)
+    with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
+        for _ in range(4):
+            chain(x)
+    table = engine.shared_table()
+    [variant] = table.kernels.values()
+    entry = variant.entry
+    entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.002   # 8 ms of interception
+    entry.fused_samples, entry.judged = [0.005] * 4, False            # beats 10 ms, not 2 ms
+    table._judge(variant)
+    assert entry.state is KeyState.UNPROFITABLE and "eager 2.000 ms" in entry.reason
+    assert variant not in table.kernels.values()
 
 
 def test_kept_unprofitable_kernels_with_the_setting(compiler):
