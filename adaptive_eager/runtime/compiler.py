@@ -67,6 +67,19 @@ class InductorCompiler:
         from torch._inductor.standalone_compile import CompiledArtifact
         return CompiledArtifact.load(path=path, format="binary")
 
+    def prepare_load(self) -> None:
+        """Do the one-time work of the first ``load`` ahead, so that the first kernel the
+        worker delivers does not stall the program for it: importing Inductor (~2 s here) and
+        probing the CPU's vector ISA (~7 s of test builds unless TORCHINDUCTOR_VEC_ISA_OK is
+        set; cached for the process). Called on a daemon thread while the worker compiles;
+        the ISA probe waits on a C++ compiler (GIL released), and neither is a compile of
+        ours (Note [Why a process])."""
+        import torch._inductor.async_compile  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        from torch._inductor.standalone_compile import CompiledArtifact  # noqa: F401
+        pick_vec_isa()
+
 
 class CountingCompiler:
     """Test stand-in: returns the graph module unchanged and remembers every graph it got."""

@@ -173,6 +173,20 @@ def unfreeze_gc() -> None:
         gc.unfreeze()
 
 
+_loading_prepared = False
+
+
+def _prepare_loading(compiler) -> None:
+    """Once per process: let the compiler import what loading kernels needs, in the
+    background, while the worker compiles the first one."""
+    global _loading_prepared
+    prepare = getattr(compiler, "prepare_load", None)
+    if prepare is None or _loading_prepared:
+        return
+    _loading_prepared = True
+    threading.Thread(target=prepare, daemon=True, name="adaptive-eager-prepare-load").start()
+
+
 def structure_of(segment: Segment) -> tuple:
     """The key without shapes and strides (see Note [Megamorphic])."""
     return (segment.context, tuple((op.func, without_shapes(op.args), without_shapes(op.kwargs))
@@ -344,6 +358,7 @@ class KeyTable:
         """Hand ``entry`` to the compile worker; it runs per-op until the kernel arrives."""
         if self.worker is None:
             self.worker = CompileWorker(self.disk.store.directory, config.COMPILE_TIMEOUT_S)
+            _prepare_loading(compiler)
         segment = entry.segment
         metas = segment.input_metas + tuple(segment.out_meta(ref) for ref in segment.live_refs)
         self._next_request += 1
