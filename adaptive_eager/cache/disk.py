@@ -82,6 +82,12 @@ class DiskCache:
     def enabled(self) -> bool:
         return self.store.disabled_reason is None
 
+    def has_artifacts(self) -> bool:
+        try:
+            return any(name.endswith(".bin") for name in os.listdir(self.store.artifact_dir))
+        except OSError:
+            return False
+
     @_guarded()
     def lookup(self, digest: str) -> SegmentRecord | None:
         return self.store.get(digest)

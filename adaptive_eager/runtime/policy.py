@@ -173,18 +173,35 @@ def unfreeze_gc() -> None:
         gc.unfreeze()
 
 
-_loading_prepared = False
+_preparing: threading.Thread | None = None
 
 
 def _prepare_loading(compiler) -> None:
-    """Once per process: let the compiler import what loading kernels needs, in the
-    background, while the worker compiles the first one."""
-    global _loading_prepared
+    """Once per process: let the compiler do the one-time work of loading kernels (Inductor
+    imports) in the background, while the worker compiles the first one."""
+    global _preparing
     prepare = getattr(compiler, "prepare_load", None)
-    if prepare is None or _loading_prepared:
+    if prepare is None or _preparing is not None:
         return
-    _loading_prepared = True
-    threading.Thread(target=prepare, daemon=True, name="adaptive-eager-prepare-load").start()
+    _preparing = threading.Thread(target=_quietly(prepare), daemon=True,
+                                  name="adaptive-eager-prepare-load")
+    _preparing.start()
+
+
+def _quietly(prepare):
+    def run() -> None:
+        try:
+            prepare()
+        except Exception:  # the load will do it again, in the program's thread, and report
+            pass
+    return run
+
+
+def _wait_for_preparation() -> None:
+    """Our loads never import Inductor beside the preparing thread: two threads importing
+    modules that import each other can fail with a deadlock error."""
+    if _preparing is not None:
+        _preparing.join()
 
 
 def structure_of(segment: Segment) -> tuple:
@@ -211,6 +228,8 @@ class KeyTable:
         self._compiling: dict[int, KeyEntry] = {}   # request id -> entry
         self._next_request = 0
         self._threads = ThreadShare()
+        if disk is not None and disk.has_artifacts():     # a warm start: loads will come
+            _prepare_loading(current_compiler())
 
     def entries(self) -> list[KeyEntry]:
         with self._lock:
@@ -317,6 +336,7 @@ class KeyTable:
         if entry.artifact_path is None:
             return False
         started = time.perf_counter()
+        _wait_for_preparation()
         kernel = self.disk.load_kernel(entry.artifact_path, current_compiler())
         entry.saved_artifact, entry.artifact_path = entry.artifact_path, None
         if kernel is None:
@@ -398,6 +418,7 @@ class KeyTable:
             self.mark_failed(entry, result.error)
             return
         path, size, checksum = result.artifact
+        _wait_for_preparation()
         kernel = self.disk.load_kernel(path, current_compiler())
         persisted = os.path.dirname(path) == self.disk.store.artifact_dir
         if is_transfer_file(path):         # shipped through a temporary directory: done with
