@@ -21,7 +21,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     commands.add_parser("config", help="list every setting with its value and help")
     _add_cache_parser(commands)
+    _add_bench_parser(commands)
     return parser
+
+
+def _add_bench_parser(commands) -> None:
+    from adaptive_eager.benchmarks.command import add_arguments
+    add_arguments(commands.add_parser(
+        "bench", help="eager vs adaptive vs torch.compile, each run in fresh processes",
+        description="Time workloads in eager, adaptive and torch.compile modes, each in a fresh "
+                    "process with empty caches, and check every output against eager."))
 
 
 def _add_cache_parser(commands) -> None:
@@ -226,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             return _run_script(options)
         if options.command == "cache":
             return _cache_command(options)
+        if options.command == "bench":
+            from adaptive_eager.benchmarks import command
+            return command.run(options)
         return _show_config()
     except (ConfigError, CacheError) as err:
         print(f"adaptive-eager: {err}", file=sys.stderr)

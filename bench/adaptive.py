@@ -20,12 +20,10 @@ import tempfile
 import textwrap
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-
-import adaptive_eager as ae  # noqa: E402
-from workloads import layernorm_gelu_residual, pointwise_chain  # noqa: E402
+import adaptive_eager as ae
+from adaptive_eager.benchmarks.workloads import layernorm_gelu_residual, pointwise_chain
 
 
 def _timed(fn, steps: int) -> float:

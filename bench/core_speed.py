@@ -9,17 +9,15 @@ and the eager/adaptive ratio (>1 means adaptive is faster).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
+import adaptive_eager as ae
+from adaptive_eager.benchmarks.workloads import layernorm_gelu_residual, pointwise_chain
 
-import adaptive_eager as ae  # noqa: E402
-from workloads import WORKLOADS  # noqa: E402
+WORKLOADS = {"chain8": pointwise_chain, "ln_gelu_residual": layernorm_gelu_residual}
 
 
 def _time_steps(step, count: int, adaptive: bool) -> list[float]:

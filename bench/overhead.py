@@ -9,19 +9,15 @@ record + key every op); and under the runtime, fused (hot path: match + defer + 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-
-import adaptive_eager as ae  # noqa: E402
-from adaptive_eager.config import config  # noqa: E402
-from adaptive_eager.dispatch.mode import PassThroughMode  # noqa: E402
-from workloads import pointwise_chain  # noqa: E402
+import adaptive_eager as ae
+from adaptive_eager.benchmarks.workloads import pointwise_chain
+from adaptive_eager.config import config
+from adaptive_eager.dispatch.mode import PassThroughMode
 
 OPS_PER_STEP = 8
 

@@ -1,0 +1,7 @@
+"""The benchmark suite behind ``adaptive-eager bench``: eager vs adaptive vs torch.compile.
+
+``workloads`` builds each computation at a named size; ``child`` measures one workload × size ×
+mode in a fresh process; ``runner`` plans the runs, starts the children and checks their outputs
+against eager; ``results`` derives ratios and break-even points; ``report`` prints the table and
+writes JSON, markdown and the plot. Nothing here imports torch at import time.
+"""

@@ -1,0 +1,222 @@
+"""``adaptive-eager bench``: argument errors, a tiny real run in fresh processes, the output
+check, break-even and the table, as pure functions where they can be."""
+import dataclasses
+import importlib.util
+import io
+import json
+
+import pytest
+import torch
+
+from adaptive_eager.benchmarks import report, results, runner
+from adaptive_eager.benchmarks.results import MISMATCH, NEVER, OK, SKIPPED, Row
+from adaptive_eager.benchmarks.workloads import Workload
+from adaptive_eager.cli import main
+from helpers import MECHANICS_ENV
+
+
+# ---------------------------------------------------------------------- arguments
+
+@pytest.mark.parametrize("arguments, accepted", [
+    (["--workload", "nope"], "chain8, ln_gelu_residual"),
+    (["--size", "huge"], "tiny, medium, large"),
+    (["--modes", "eager,fast"], "eager, adaptive, compile"),
+    (["--iters", "0"], "at least 1"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(arguments, accepted, capsys):
+    assert main(["bench", *arguments]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and accepted in captured.err
+    assert captured.out == ""
+
+
+def test_plot_without_matplotlib_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    assert main(["bench", "--plot", str(tmp_path / "b.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "adaptive-eager[plot]" in err
+
+
+def test_eager_always_runs_first_as_the_reference():
+    plan = runner.make_plan(["chain8"], ["tiny"], "compile,adaptive", iters=3)
+    assert plan.modes == ("eager", "compile", "adaptive")
+    assert runner.make_plan().workloads == runner.DEFAULT_WORKLOADS
+
+
+# ---------------------------------------------------------------------- a real tiny run
+
+def test_tiny_run_in_fresh_processes_writes_every_field(tmp_path, monkeypatch, capsys):
+    # Make the adaptive child compile its tiny segment at once, so the check covers a kernel.
+    for name, value in {**MECHANICS_ENV, "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "1"}.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--workload", "chain8", "--size", "tiny", "--iters", "2",
+                 "--modes", "eager,adaptive", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "[1/2] chain8 tiny eager … " in captured.err
+    assert "[2/2] chain8 tiny adaptive … " in captured.err
+    payload = json.loads(out.read_text())
+    assert set(payload["machine"]) >= {"cpu", "cores", "torch_threads", "torch", "python"}
+    assert payload["failed"] is False and payload["iters"] == 2
+    eager, adaptive = payload["results"]
+    for row in (eager, adaptive):
+        assert set(row) == {f.name for f in dataclasses.fields(Row)}
+        assert row["status"] == OK and row["median_ms"] > 0 and row["peak_mib"] > 0
+        assert 0 < row["first_iter_s"] <= row["total_s"]
+    assert eager["ratio_to_eager"] == 1.0 and eager["break_even"] is None
+    assert adaptive["compiles"] >= 1 and adaptive["compile_s"] > 0
+    assert adaptive["break_even"] == NEVER or adaptive["break_even"] >= 1
+    assert "reference" in captured.out and "chain8" in captured.out
+
+
+# ---------------------------------------------------------------------- the output check
+
+def test_compare_outputs_finds_a_wrong_value():
+    expected = (torch.ones(4), torch.zeros(2))
+    assert results.compare_outputs((torch.ones(4), torch.zeros(2) + 1e-6), expected,
+                                   1e-4, 1e-4) is None
+    wrong = (torch.ones(4), torch.tensor([0.0, 0.5]))
+    message = results.compare_outputs(wrong, expected, 1e-4, 1e-4)
+    assert message and "not close" in message and "\n" not in message
+
+
+def _measurement(mode, cold, steady, wait=0.0, compiles=0):
+    return {"workload": "chain8", "size": "tiny", "mode": mode, "cold_step_s": cold,
+            "compile_wait_s": wait, "steady_step_s": steady, "compiles": compiles,
+            "compile_s": 0.0, "peak_mib": 100.0, "torch_threads": 2}
+
+
+def _fake_children(tmp_path, wrong_mode=None, failing_mode=None):
+    """A stand-in for run_child: eager's output is ones; ``wrong_mode`` writes twos."""
+    def run_child(workload, size, mode, plan, directory):
+        if mode == failing_mode:
+            return runner.ChildOutcome(None, "", "RuntimeError: boom", 1.0)
+        path = tmp_path / f"{mode}.pt"
+        torch.save(torch.full((4,), 2.0 if mode == wrong_mode else 1.0), path)
+        return runner.ChildOutcome(_measurement(mode, [0.1] * 3, [0.1] * 3), str(path), "", 1.0)
+    return run_child
+
+
+def test_a_wrong_output_is_reported_loudly_and_exits_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "run_child", _fake_children(tmp_path, wrong_mode="compile"))
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--workload", "chain8", "--size", "tiny", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "OUTPUT MISMATCH" in captured.err
+    assert "MISMATCH: chain8 tiny compile: output differs from eager" in captured.out
+    statuses = [row["status"] for row in json.loads(out.read_text())["results"]]
+    assert statuses == [OK, OK, MISMATCH]
+
+
+def test_a_failed_eager_child_fails_the_rest_and_exits_1(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "run_child", _fake_children(tmp_path, failing_mode="eager"))
+    assert main(["bench", "--workload", "chain8", "--size", "tiny"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: chain8 tiny eager: RuntimeError: boom" in out
+    assert out.count("FAILED") >= 3
+
+
+def test_a_workload_whose_extra_is_missing_is_skipped_with_the_reason():
+    workload = Workload("needs_x", "needs a module", lambda size, device: None, {"tiny": "-"},
+                        requires="surely_not_an_installed_module")
+    progress = runner._Progress(3, io.StringIO())
+    plan = runner.make_plan(["chain8"], ["tiny"], iters=1)
+    rows = runner.run_case(workload, "tiny", plan, progress, "/nonexistent")
+    assert [row.status for row in rows] == [SKIPPED] * 3
+    assert "surely_not_an_installed_module is not installed" in rows[0].detail
+    assert not results.any_failure(rows)
+
+
+# ---------------------------------------------------------------------- break-even
+
+EAGER = _measurement("eager", cold=[1.0] * 4, steady=[1.0] * 3)
+
+
+@pytest.mark.parametrize("cold, wait, steady, expected", [
+    ([1.0] * 4, 5.0, [0.5], 15),            # even for 4 steps, 5 s behind, gains 0.5 s a step
+    ([3.0, 0.5, 0.5, 0.5], 0.0, [0.5], 6),  # slow first step, catches up after the measured ones
+    ([0.5, 2.0, 0.1, 0.1], 0.0, [0.5], 3),  # ahead at 1, behind at 2, ahead for good from 3
+    ([0.5] * 4, 0.0, [0.5], 1),             # faster from the start
+    ([0.5] * 4, 0.0, [0.99], NEVER),        # 1% faster: within noise
+    ([0.5] * 4, 0.0, [1.5], NEVER),         # slower
+])
+def test_break_even(cold, wait, steady, expected):
+    assert results.break_even(EAGER, _measurement("adaptive", cold, steady, wait)) == expected
+
+
+def test_break_even_is_where_cumulative_time_crosses():
+    other = _measurement("adaptive", [2.0, 2.0, 2.0, 2.0], [0.25], wait=3.0)
+    k = results.break_even(EAGER, other)
+    def cumulative(m, steps, wait=0.0):
+        return sum(m["cold_step_s"][:steps]) + (wait + (steps - 4) * m["steady_step_s"][0]
+                                                if steps > 4 else 0.0)
+    assert cumulative(other, k, 3.0) < cumulative(EAGER, k)
+    assert cumulative(other, k - 1, 3.0) >= cumulative(EAGER, k - 1)
+
+
+# ---------------------------------------------------------------------- the table
+
+def _rows():
+    eager = results.measured_row(EAGER, EAGER)
+    fast = results.measured_row(_measurement("adaptive", [1.0] * 4, [0.25], 2.0, 1), EAGER)
+    slow = results.measured_row(_measurement("compile", [9.0] + [1.0] * 3, [2.0], 0.0, 3), EAGER,
+                                MISMATCH, "output differs from eager: Tensor-likes are not close!")
+    return [eager, fast, slow, Row("hf_gpt2", "tiny", "eager", SKIPPED, "no transformers")]
+
+
+def test_rows_carry_ratios_and_break_even():
+    eager, fast, slow, _ = _rows()
+    assert (eager.ratio_to_eager, eager.break_even) == (1.0, None)
+    assert fast.ratio_to_eager == 0.25 and fast.break_even == 4 + 2 + 1
+    assert slow.ratio_to_eager == 2.0 and slow.break_even == NEVER
+    assert fast.total_s == 4.0 and slow.first_iter_s == 9.0
+
+
+def test_text_table_aligns_columns_and_lists_problems():
+    info = {"cpu": "Test CPU", "cores": 2, "torch_threads": 2, "torch": "2.13.0",
+            "python": "3.11.7", "os": "Linux"}
+    lines = report.text_table(_rows(), info, iters=4).splitlines()
+    assert lines[0].startswith("Test CPU, 2 cores, 2 torch threads; torch 2.13.0, Python 3.11.7")
+    header, eager, fast, slow, skipped = lines[1:6]
+    assert header.split()[:5] == ["workload", "size", "mode", "step", "ms"]
+    assert eager.split()[-2:] == ["-", "reference"]
+    assert fast.split()[3:5] == ["250", "0.25"] and fast.split()[-2:] == ["7", "ok"]
+    assert slow.split()[-2:] == ["never", "MISMATCH"]
+    assert skipped.split()[-1] == "skipped"
+    # right-aligned numbers end where their header ends
+    assert header.index("break-even") + len("break-even") == eager.rindex("-") + 1
+    assert header.index("step ms") + len("step ms") == fast.index("250") + 3
+    assert lines[6].startswith("MISMATCH: chain8 tiny compile: output differs from eager")
+    assert lines[7] == "skipped: hf_gpt2 tiny eager: no transformers"
+    assert "do not trust" in lines[8]
+
+
+def test_markdown_table_has_a_row_per_result():
+    table = report.markdown_table(_rows()).splitlines()
+    assert len(table) == 2 + 4
+    assert all(line.count("|") == len(report.COLUMNS) + 1 for line in table)
+    assert table[4].endswith("| never | MISMATCH |")
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    info = {"cpu": "Test CPU", "cores": 2, "torch_threads": 2, "torch": "2.13.0",
+            "python": "3.11.7", "os": "Linux"}
+    report.plot(_rows(), info, str(tmp_path / "ratios.png"))
+    assert (tmp_path / "ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_markdown_page_names_its_command_and_machine():
+    from adaptive_eager.benchmarks.command import command_line
+    from adaptive_eager.cli import _parser
+    options = _parser().parse_args(["bench", "--all", "--iters", "7", "--markdown", "B.md"])
+    command = command_line(options)
+    assert command == "adaptive-eager bench --all --iters 7 --markdown B.md"
+    info = {"cpu": "Test CPU", "cores": 2, "torch_threads": 2, "torch": "2.13.0",
+            "python": "3.11.7", "os": "Linux"}
+    page = report.markdown(_rows(), info, command, iters=7, warmup=3)
+    assert f"by `{command}`" in page and "Machine: Test CPU, 2 cores" in page
+    assert report.markdown_table(_rows()) in page
+    assert "- MISMATCH: chain8 tiny compile" in page
