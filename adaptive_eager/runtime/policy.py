@@ -183,13 +183,18 @@ def _prepare_loading(compiler) -> None:
     prepare = getattr(compiler, "prepare_load", None)
     if prepare is None or _preparing is not None:
         return
-    _preparing = threading.Thread(target=_quietly(prepare), daemon=True,
+    _preparing = threading.Thread(target=_after_a_while(prepare), daemon=True,
                                   name="adaptive-eager-prepare-load")
     _preparing.start()
 
 
-def _quietly(prepare):
+PREPARE_DELAY_S = 1.0   # Inductor's imports hold the GIL ~2 s; not during the program's
+                        # first second (its first steps), and a compile takes longer anyway
+
+
+def _after_a_while(prepare):
     def run() -> None:
+        time.sleep(PREPARE_DELAY_S)
         try:
             prepare()
         except Exception:  # the load will do it again, in the program's thread, and report
