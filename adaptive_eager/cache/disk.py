@@ -23,6 +23,8 @@ log = logging.getLogger("adaptive_eager")
 
 FLUSH_INTERVAL_S = 5.0      # counters reach the disk at most this late (and at exit)
 TRIM_EVERY_FLUSHES = 20     # how often the record count is checked against CACHE_MAX_ENTRIES
+FORGOTTEN_BATCH = 64        # forgotten keys with unwritten changes that force a flush
+_TIMINGS_AND_COUNTERS = {"seen", "fused_runs", "eager_ms", "fused_ms"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -64,7 +66,8 @@ class DiskCache:
     def __init__(self, directory: str) -> None:
         self.store = Store(directory)
         self._pending: dict[str, dict] = {}
-        self._base: dict[str, dict] = {}
+        self._described: dict[str, tuple] = {}   # digest -> (describe, compiler name)
+        self._bases: dict[str, dict] = {}         # digest -> rendered record fields
         self._forgotten: set[str] = set()       # descriptions to drop after the next flush
         self._flushes = 0
         self._last_flush = time.monotonic()
@@ -127,18 +130,37 @@ class DiskCache:
         name, size, checksum = saved
         return {"artifact": name, "artifact_bytes": size, "artifact_xxh": checksum}
 
-    def register(self, digest: str, ops: list, parts: dict, compiler_name: str) -> None:
-        """Describe a key once; every later write of its record carries this."""
-        self._base[digest] = {"digest": digest, "ops": ops, "parts": parts, "state": "cold",
-                              "torch_version": parts["context"]["torch_version"],
-                              "fingerprint": build_fingerprint(compiler_name)}
+    def register(self, digest: str, describe, compiler_name: str) -> None:
+        """Know a key: ``describe()`` returns its (ops, parts), rendered only when its record
+        is first written (most keys of dynamic code are seen once and never are)."""
+        self._described[digest] = (describe, compiler_name)
+
+    def _base(self, digest: str) -> dict:
+        """What every write of ``digest``'s record carries."""
+        base = self._bases.get(digest)
+        if base is None:
+            describe, compiler_name = self._described[digest]
+            ops, parts = describe()
+            base = self._bases[digest] = {
+                "digest": digest, "ops": ops, "parts": parts, "state": "cold",
+                "torch_version": parts["context"]["torch_version"],
+                "fingerprint": build_fingerprint(compiler_name)}
+        return base
 
     def forget(self, digest: str) -> None:
-        """The runtime no longer tracks ``digest``: drop its description once written."""
-        if digest in self._pending:
+        """The runtime no longer tracks ``digest``: drop what is kept of it once written."""
+        pending = self._pending.get(digest)
+        if pending is not None and self._worth_writing(digest, pending):
             self._forgotten.add(digest)
-        else:
-            self._base.pop(digest, None)
+            if len(self._forgotten) >= FORGOTTEN_BATCH:    # bounded between flushes too
+                self.flush()
+            return
+        self._pending.pop(digest, None)
+        self._drop(digest)
+
+    def _drop(self, digest: str) -> None:
+        self._described.pop(digest, None)
+        self._bases.pop(digest, None)
 
     def note(self, digest: str, **fields) -> None:
         """Queue fields for a registered key's record; ``seen``/``fused_runs`` are deltas."""
@@ -147,6 +169,12 @@ class DiskCache:
             pending[counter] += fields.pop(counter, 0)
         pending.update(fields)
 
+    def _worth_writing(self, digest: str, fields: dict) -> bool:
+        """A record is written once a key is seen twice or something was decided about it; a
+        key seen once (ever-new shapes) costs no rendering and no row."""
+        return bool(self._bases.get(digest)) or fields["seen"] >= 2 or fields["fused_runs"] \
+            or not set(fields) <= _TIMINGS_AND_COUNTERS
+
     def maybe_flush(self) -> None:
         if time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
             self.flush()
@@ -154,10 +182,16 @@ class DiskCache:
     def flush(self) -> None:
         self._last_flush = time.monotonic()
         pending, self._pending = self._pending, {}
-        updates = [{**self._base[digest], **fields} for digest, fields in pending.items()
-                   if digest in self._base]
+        updates = []
+        for digest, fields in pending.items():
+            if digest not in self._described:
+                continue
+            if self._worth_writing(digest, fields):
+                updates.append({**self._base(digest), **fields})
+            else:
+                self._pending[digest] = fields       # until it is seen again, or forgotten
         for digest in self._forgotten:
-            self._base.pop(digest, None)
+            self._drop(digest)
         self._forgotten.clear()
         if updates:
             self._write(updates)

@@ -283,7 +283,7 @@ class KeyTable:
         counters.add("keys_seen")
         entry = KeyEntry(stable_digest(segment.key), segment)
         if self.disk is not None:
-            self.disk.register(entry.digest, op_lines(segment), key_parts(segment),
+            self.disk.register(entry.digest, lambda: (op_lines(segment), key_parts(segment)),
                                current_compiler().name)
             record = self.disk.lookup(entry.digest)
             if record is not None:
