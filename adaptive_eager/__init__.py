@@ -10,8 +10,8 @@ below loads on first use.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["enable", "disable", "enabled", "is_enabled", "is_paused", "sync", "stats", "reset", "Stats",
-           "config", "ConfigError"]
+__all__ = ["enable", "disable", "enabled", "paused", "is_enabled", "is_paused", "sync", "stats",
+           "reset", "Stats", "config", "ConfigError"]
 
 
 def __getattr__(name: str):

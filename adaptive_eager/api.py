@@ -108,6 +108,24 @@ def enabled() -> Iterator[None]:
         disable()
 
 
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """``with ae.paused(): ...`` — plain eager for the block, on this thread. Deferred work is
+    finished first; kernels and what is known of keys stay (``disable()`` gives kernels
+    back). For timing eager beside adaptive in one process, or a region known to be dynamic."""
+    stack = _stack()
+    if not stack or _current_mode() is not stack[-1][1]:
+        yield                                  # not enabled, paused already, or not on top
+        return
+    runtime, mode = stack[-1]
+    runtime.flush()
+    mode.__exit__(None, None, None)
+    try:
+        yield
+    finally:
+        mode.__enter__()
+
+
 # runtime -> monotonic time its pause ends (see dispatch/control.py)
 _paused_until: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

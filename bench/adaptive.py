@@ -38,12 +38,12 @@ def _side_by_side(step, steps: int, warmup: int, rounds: int = 3) -> tuple[float
     """(eager s, adaptive s) for ``steps`` steps after ``warmup`` under the runtime; medians
     of alternating rounds."""
     ae.reset()
+    eager, adaptive = [], []
     with ae.enabled():
         _timed(step, warmup)
-    eager, adaptive = [], []
-    for _ in range(rounds):
-        eager.append(_timed(step, steps))
-        with ae.enabled():
+        for _ in range(rounds):
+            with ae.paused():
+                eager.append(_timed(step, steps))
             adaptive.append(_timed(step, steps))
     return statistics.median(eager), statistics.median(adaptive)
 
@@ -126,7 +126,12 @@ def first_training_steps() -> dict:
 
 def large(name: str, make, numel: int) -> dict:
     step = make(numel)
+    def adaptive_step():
+        out = step()
+        ae.sync()
+        return out
     ae.reset()
+    eager, adaptive = [], []
     with ae.enabled():
         for _ in range(8):
             kept = step()
@@ -134,16 +139,10 @@ def large(name: str, make, numel: int) -> dict:
         for _ in range(6):
             kept = step()
         ae.sync()
-    del kept
-
-    def adaptive_step():
-        out = step()
-        ae.sync()
-        return out
-    eager, adaptive = [], []
-    for _ in range(4):
-        eager.append(_timed(step, 5) / 5)
-        with ae.enabled():
+        del kept
+        for _ in range(4):
+            with ae.paused():
+                eager.append(_timed(step, 5) / 5)
             adaptive.append(_timed(adaptive_step, 5) / 5)
     return {"case": f"{name}, {numel >> 20}M elements", "eager_s": statistics.median(eager),
             "adaptive_s": statistics.median(adaptive)}

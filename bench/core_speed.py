@@ -43,14 +43,14 @@ def measure(name: str, numel: int, iters: int) -> dict:
         for _ in range(6):                      # ...runs, and is judged profitable or not
             got = step()
         ae.sync()
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    before = ae.stats().fused_executions
-    eager, adaptive = [], []
-    for _ in range(max(1, iters // 5)):         # alternate blocks of 5
-        eager += _time_steps(step, 5, adaptive=False)
-        with ae.enabled():
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        before = ae.stats().fused_executions
+        eager, adaptive = [], []
+        for _ in range(max(1, iters // 5)):     # alternate blocks of 5
+            with ae.paused():
+                eager += _time_steps(step, 5, adaptive=False)
             adaptive += _time_steps(step, 5, adaptive=True)
-    fused = ae.stats().fused_executions - before
+        fused = ae.stats().fused_executions - before
     eager_ms = statistics.median(eager) * 1e3
     adaptive_ms = statistics.median(adaptive) * 1e3
     return {"workload": name, "numel": numel, "eager_ms": eager_ms, "adaptive_ms": adaptive_ms,

@@ -410,6 +410,13 @@ class KeyTable:
         if not self._compiling:
             self._threads.compiles_done()
 
+    def release_kernels(self) -> None:
+        """Unload every kernel; their keys turn hot again at first sight and load them."""
+        with self._lock:
+            for digest, variant in list(self.kernels.items()):
+                self._evicted(digest, variant)
+            self.kernels.clear()
+
     def stop_idle_worker(self) -> None:
         self.poll_compiles()
         with self._lock:

@@ -123,10 +123,11 @@ def test_lru_evicts_and_reloads_from_disk(compiler):
                     out = fn(x)
                     out.sum().item()            # boundary: keys stay apart
                     results.append((fn, out))
+            assert len(engine.shared_table().kernels) == 1
         stats = ae.stats()
         for fn, out in results:
             assert_equal(out, fn(x))
-        assert len(engine.shared_table().kernels) == 1
+        assert len(engine.shared_table().kernels) == 0      # released by disable()
     assert stats.compiles == 2                  # each key compiled once...
     assert stats.cache_hits_disk == 1           # ...chain evicted by other, loaded back
     assert stats.fused_executions >= 6

@@ -27,9 +27,10 @@ def test_segments_too_cheap_to_repay_fusion_are_never_compiled(compiler):
         for _ in range(6):
             chain(tiny).sum().item()
             chain(large).sum().item()
-    by_size = {e.segment.input_metas[0].shape[0]: e for e in engine.shared_table().entries()}
-    assert by_size[16].state is KeyState.UNFUSIBLE and by_size[16].reason == "too_cheap"
-    assert by_size[1 << 20].state is KeyState.READY
+        by_size = {e.segment.input_metas[0].shape[0]: e
+                   for e in engine.shared_table().entries()}
+        assert by_size[16].state is KeyState.UNFUSIBLE and by_size[16].reason == "too_cheap"
+        assert by_size[1 << 20].state is KeyState.READY
     assert compiler.count == 1 and ae.stats().fallbacks["too_cheap"] == 1
 
 
@@ -68,8 +69,8 @@ def test_a_kernel_is_judged_against_plain_eager_not_the_intercepted_per_op_path(
     with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
         for _ in range(4):
             chain(x)
-    table = engine.shared_table()
-    [variant] = table.kernels.values()
+        table = engine.shared_table()
+        [variant] = table.kernels.values()
     entry = variant.entry
     entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.002   # 8 ms of interception
     entry.fused_samples, entry.judged = [0.005] * 4, False            # beats 10 ms, not 2 ms
@@ -83,7 +84,7 @@ def test_kept_unprofitable_kernels_with_the_setting(compiler):
     with use_compiler(SlowKernels()), config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
         for _ in range(8):
             chain(x)
-    assert _states() == [KeyState.READY]
+        assert _states() == [KeyState.READY]
 
 
 def test_ever_new_shapes_compile_a_bounded_number_of_times(compiler):

@@ -89,3 +89,19 @@ def test_disk_records_are_trimmed_to_cache_max_entries():
     assert len(kept) == 10 and table.entries()[-1].digest in kept      # the newest stays
     artifacts = os.listdir(table.disk.store.artifact_dir)
     assert artifacts and all(name.split("-")[0] in kept for name in artifacts)
+
+
+def test_disable_gives_back_the_kernels_and_enable_loads_them_again(compiler):
+    x = torch.randn(64)
+    with ae.enabled():
+        outs = [chain(x) for _ in range(4)]
+        assert len(engine.shared_table().kernels) == 1
+    assert len(engine.shared_table().kernels) == 0
+    assert not any(root.children for root in engine.shared_table().trie._roots.values())
+    with ae.enabled():
+        outs = [chain(x) for _ in range(3)]
+        assert len(engine.shared_table().kernels) == 1
+    stats = ae.stats()
+    assert stats.compiles == 1 and stats.cache_hits_disk == 1 and compiler.loads == 1
+    for out in outs:
+        assert_equal(out, chain(x))

@@ -140,16 +140,16 @@ def test_disable_keys_setting_bisects_without_clearing(compiler):
                 a.sum().item()
                 b = other(x)
                 b.sum().item()
-        return a, b
-    run()
-    digests = {e.segment.ops[0].func.__name__: e.digest for e in engine.shared_table().entries()
-               if e.state is KeyState.READY}
+            ready = {e.segment.ops[0].func.__name__: e.digest
+                     for e in engine.shared_table().entries() if e.state is KeyState.READY}
+        return a, b, ready
+    digests = run()[2]
     ae.reset()
     with config.patch(DISABLE_KEYS=(digests["mul.Tensor"][:6],)):
-        a, b = run()
+        a, b, ready = run()
     states = {e.digest: e.state for e in engine.shared_table().entries()}
     assert states[digests["mul.Tensor"]] is KeyState.DISABLED
-    assert states[digests["sub.Tensor"]] is KeyState.READY
+    assert digests["sub.Tensor"] in ready.values()
     assert ae.stats().fallbacks["disabled_key"] == 1
     assert_equal(a, chain(x))
     assert_equal(b, other(x))

@@ -132,3 +132,24 @@ def test_ever_new_shapes_pause_within_a_few_steps(pausing):
     # megamorphic after 4 variants, then each such segment counts 8 toward the window of 64
     assert length <= 15, length
     assert ae.stats().compiles == 0
+
+
+def test_paused_block_is_plain_eager_and_keeps_the_kernels(compiler):
+    x = torch.randn(64)
+
+    def chain():
+        return ((x * 2 + 1).sin() * 3).cos()
+    with ae.enabled():
+        outs = [chain() for _ in range(4)]                   # hot, fused, the last deferred
+        with ae.paused():
+            assert _get_current_dispatch_mode() is None
+            seen = ae.stats().ops_seen
+            plain = chain()
+            assert ae.stats().ops_seen == seen
+            assert_equal(outs[-1], chain())                  # deferred work was finished
+        assert _get_current_dispatch_mode() is not None
+        outs.append(chain())
+    assert ae.stats().compiles == 1 and compiler.loads == 0  # nothing given back meanwhile
+    assert ae.stats().fused_executions >= 3
+    for out in outs + [plain]:
+        assert_equal(out, chain())

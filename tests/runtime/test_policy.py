@@ -27,11 +27,11 @@ def test_a_key_compiles_once_at_the_hot_threshold(compiler):
         for _ in range(6):
             chain(x)
         ae.sync()
+        [entry] = _entries()
+        assert entry.state is KeyState.READY and len(entry.digest) == 16
     assert compiler.count == 1
     stats = ae.stats()
     assert stats.hot_keys == 1 and stats.compiles == 1 and stats.keys_seen == 1
-    [entry] = _entries()
-    assert entry.state is KeyState.READY and len(entry.digest) == 16
 
 
 def test_compile_failure_is_a_counted_negative_entry():
@@ -73,8 +73,8 @@ def test_single_ops_are_not_worth_fusing(compiler):
         for _ in range(4):
             x.sin().sum().item()            # sin + sum, cut by item(): 2 ops, fused
             x.sum().item()                  # one op alone: nothing to fuse
-    states = {tuple(str(op.func) for op in e.segment.ops): e for e in _entries()}
-    assert states[("aten.sin.default", "aten.sum.default")].state is KeyState.READY
+        states = {tuple(str(op.func) for op in e.segment.ops): e for e in _entries()}
+        assert states[("aten.sin.default", "aten.sum.default")].state is KeyState.READY
     alone = states[("aten.sum.default",)]
     assert alone.state is KeyState.UNFUSIBLE and alone.reason == "too_few_ops"
     assert ae.stats().fallbacks["too_few_ops"] == 1 and compiler.count == 1
