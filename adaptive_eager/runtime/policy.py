@@ -192,9 +192,12 @@ PREPARE_DELAY_S = 1.0   # Inductor's imports hold the GIL ~2 s; not during the p
                         # first second (its first steps), and a compile takes longer anyway
 
 
+_needed_now = threading.Event()      # a load is waiting: stop delaying
+
+
 def _after_a_while(prepare):
     def run() -> None:
-        time.sleep(PREPARE_DELAY_S)
+        _needed_now.wait(PREPARE_DELAY_S)
         try:
             prepare()
         except Exception:  # the load will do it again, in the program's thread, and report
@@ -206,6 +209,7 @@ def _wait_for_preparation() -> None:
     """Our loads never import Inductor beside the preparing thread: two threads importing
     modules that import each other can fail with a deadlock error."""
     if _preparing is not None:
+        _needed_now.set()
         _preparing.join()
 
 
@@ -413,9 +417,8 @@ class KeyTable:
     def release_kernels(self) -> None:
         """Unload every kernel; their keys turn hot again at first sight and load them."""
         with self._lock:
-            for digest, variant in list(self.kernels.items()):
-                self._evicted(digest, variant)
-            self.kernels.clear()
+            while self.kernels:
+                self.kernels.popitem()    # KernelLRU.popitem takes it out of the trie too
 
     def stop_idle_worker(self) -> None:
         self.poll_compiles()
@@ -432,8 +435,8 @@ class KeyTable:
         path, size, checksum = result.artifact
         _wait_for_preparation()
         kernel = self.disk.load_kernel(path, current_compiler())
-        persisted = os.path.dirname(path) == self.disk.store.artifact_dir
-        if is_transfer_file(path):         # shipped through a temporary directory: done with
+        persisted = not is_transfer_file(path)
+        if not persisted:                  # shipped through a temporary directory: done with
             shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         if kernel is None:
             counters.add("compile_failures")

@@ -13,7 +13,7 @@ import adaptive_eager as ae
 from adaptive_eager import faults
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
-from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+from adaptive_eager.runtime.compiler import CountingCompiler
 from adaptive_eager.runtime.policy import KeyState
 from helpers import MECHANICS_ENV, assert_equal
 
