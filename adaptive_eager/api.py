@@ -135,13 +135,14 @@ class _PauseMemory:
     quiet_segments: int
     backoff_s: float
     paused_until: float
+    awaited_answers: int | None
 
 
 def _remember_pause(runtime) -> None:
     """A thread's pausing state outlives its runtime, so ``with ae.enabled():`` around each
     step pauses (and stays paused) as one long enable would."""
     _local.pause_memory = _PauseMemory(runtime.quiet_segments, runtime.pause_backoff_s,
-                                       _paused_until.get(runtime, 0.0))
+                                       _paused_until.get(runtime, 0.0), runtime.awaited_answers)
 
 
 def _recall_pause(runtime) -> bool:
@@ -150,7 +151,8 @@ def _recall_pause(runtime) -> bool:
     if memory is None or not config.PAUSE:
         return False
     runtime.quiet_segments, runtime.pause_backoff_s = memory.quiet_segments, memory.backoff_s
-    if memory.paused_until > time.monotonic():
+    runtime.awaited_answers = memory.awaited_answers
+    if memory.paused_until > time.monotonic() and not runtime.awaited_kernel_landed():
         _paused_until[runtime] = memory.paused_until
         return True
     return False
@@ -172,7 +174,8 @@ def control_point() -> None:
         mode.__exit__(None, None, None)
         _paused_until[runtime] = time.monotonic() + seconds
         decide("paused", seconds=seconds)
-    elif runtime in _paused_until and time.monotonic() >= _paused_until[runtime]:
+    elif runtime in _paused_until and (time.monotonic() >= _paused_until[runtime]
+                                       or runtime.awaited_kernel_landed()):
         del _paused_until[runtime]
         mode.__enter__()
         decide("resumed")
@@ -202,9 +205,9 @@ def sync(wait_compiles: float = 0.0) -> None:
     their kernels in (benchmarks, tests)."""
     for runtime in engine.live_runtimes():
         runtime.flush()
-    control_point()
     if wait_compiles:
         engine.shared_table().poll_compiles(wait_s=wait_compiles)
+    control.permanent_point()       # after the wait: a pause for those kernels ends here
 
 
 def stats() -> Stats:

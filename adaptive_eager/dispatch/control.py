@@ -17,6 +17,13 @@ import threading
 _lock = threading.Lock()
 _installed = False
 _module_hook = None
+_points_passed = 0       # permanent control points passed, any thread (a hint, not a count)
+
+
+def points_passed() -> int:
+    """How many permanent control points the program has passed: a runtime that saw this
+    move knows its program comes back to one (and so can wait paused for a kernel)."""
+    return _points_passed
 
 
 def _control_point(*_args, **_kwargs) -> None:
@@ -24,12 +31,19 @@ def _control_point(*_args, **_kwargs) -> None:
     api.control_point()
 
 
+def permanent_point(*_args, **_kwargs) -> None:
+    """A control point the program passes every step or batch (and ``ae.sync()``)."""
+    global _points_passed
+    _points_passed += 1
+    _control_point()
+
+
 def _around(owner, name: str) -> None:
     original = getattr(owner, name)
 
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
-        _control_point()
+        permanent_point()
         return original(*args, **kwargs)
     wrapper.__adaptive_eager_original__ = original
     setattr(owner, name, wrapper)
@@ -46,7 +60,7 @@ def install() -> None:
         import torch
         import torch.optim.optimizer as optimizer
         import torch.utils.data.dataloader as dataloader
-        optimizer.register_optimizer_step_pre_hook(_control_point)
+        optimizer.register_optimizer_step_pre_hook(permanent_point)
         _around(torch.Tensor, "backward")
         _around(dataloader._BaseDataLoaderIter, "__next__")
 

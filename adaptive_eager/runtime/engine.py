@@ -32,7 +32,7 @@ from adaptive_eager.dispatch.signature import Unkeyable, key_context
 from adaptive_eager.runtime.buffers import BufferPool
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.graph import run_eagerly
-from adaptive_eager.runtime.policy import KeyTable
+from adaptive_eager.runtime.policy import KeyState, KeyTable
 from adaptive_eager.runtime.segment import SegmentBuilder, flatten_outputs, unflatten_outputs
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, TrieNode
@@ -40,7 +40,12 @@ from adaptive_eager.runtime.verify import Verification, VerificationError
 
 PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
 PAUSE_LONGEST_S = 64.0    # ...up to this
-HOPELESS_WEIGHT = 8       # see Note [Pausing]
+# How much one segment counts toward PAUSE_WINDOW (Note [Pausing]): a new key 1; a key judged
+# never to fuse is stronger evidence; a new shape of a structure that keeps changing shapes
+# stronger still; a compiling key, with the way back at a control point, the strongest.
+HOPELESS_WEIGHT = 8
+CHURN_WEIGHT = 32
+WAITING_WEIGHT = 64
 
 _shared_lock = threading.Lock()
 _shared_table: KeyTable | None = None
@@ -170,8 +175,10 @@ class Runtime:
         self._ops_seen = 0
         self._per_op = 0
         self.quiet_segments = 0                   # see Note [Pausing]
+        self._points_at_quiet_start = 0           # control.points_passed then
         self.pause_requested = False
         self.pause_backoff_s = PAUSE_FIRST_S
+        self.awaited_answers: int | None = None   # see awaited_kernel_landed()
         _live_runtimes.add(self)
 
     @property
@@ -306,42 +313,71 @@ class Runtime:
     def _end_segment(self) -> None:
         self.table.poll_compiles()
         if self._hot is not None and self._end_hot():
-            self._watch(promising=True)
+            self._watch(None)
             return
         builder, self._builder = self._builder, None
         if builder:
             seconds = time.perf_counter() - builder.started
             entry = self.table.observe(builder.finish(builder.live_refs()), seconds,
                                        builder.compute_seconds)
-            self._watch(entry.promising, entry.hopeless)
+            self._watch(entry)
 
-    def _watch(self, promising: bool, hopeless: bool = False) -> None:
-        """Note [Pausing]: a Python dispatch mode costs more than a tiny op itself. After
-        PAUSE_WINDOW segments in a row with nothing fused, compiling or worth compiling, ask
-        to stop intercepting; the pause takes effect, and ends, at control points outside the
-        mode (dispatch/control.py), since a mode cannot take itself off the stack. A segment
-        already judged (too cheap, megamorphic, failed, unprofitable) is stronger evidence
-        than a new one and counts HOPELESS_WEIGHT times: dynamic shapes pause within a few
-        steps."""
-        if promising:
+    def _watch(self, entry) -> None:
+        """Note [Pausing]: a Python dispatch mode costs more than a tiny op itself. Once
+        segments with nothing fused or worth compiling add up to PAUSE_WINDOW, ask to stop
+        intercepting; the pause takes effect, and ends, at control points outside the mode
+        (dispatch/control.py), since a mode cannot take itself off the stack.
+
+        ``entry`` is the key of a segment that ran per-op (None: one ran fused). Each counts
+        by the strength of its evidence (the weights above): dynamic shapes pause within a
+        few steps. A pause while kernels compile (nothing else to do: a training loop's first
+        steps) lasts until one lands, which a control point notices; a loop that passes no
+        control point would never notice, so there compiling keys count as new ones."""
+        if entry is None or entry.promising:
             self.quiet_segments = 0
             self.pause_backoff_s = PAUSE_FIRST_S
             return
-        self.quiet_segments += HOPELESS_WEIGHT if hopeless else 1
+        if self.quiet_segments == 0:
+            self._points_at_quiet_start = control.points_passed()
+        self.quiet_segments += self._weight(entry)
         if self.quiet_segments >= config.PAUSE_WINDOW and config.PAUSE and \
                 not self.pause_requested:
             self.pause_requested = True
             decide("pause_requested", segments=self.quiet_segments)
             control.pause_requested()
 
+    def _weight(self, entry) -> int:
+        if entry.state is KeyState.COMPILING:
+            return WAITING_WEIGHT if self._control_points_pass() else 1
+        if entry.churning:
+            return CHURN_WEIGHT
+        return HOPELESS_WEIGHT if entry.hopeless else 1
+
+    def _control_points_pass(self) -> bool:
+        """Has the program passed a control point since the quiet segments began?"""
+        return control.points_passed() != self._points_at_quiet_start
+
     def paused_for(self) -> float:
-        """Start a pause (at a control point): flush, and return how long it lasts."""
+        """Start a pause (at a control point): flush, and return how long it lasts. While
+        kernels compile, until one of them lands (awaited_kernel_landed); else for the
+        back-off, which each fruitless pause doubles."""
         self.flush()
         self.pause_requested, self.quiet_segments = False, 0
+        counters.add("pauses")
+        if self.table.compiles_in_flight and self._control_points_pass():
+            self.awaited_answers = self.table.compiles_answered
+            return PAUSE_LONGEST_S
+        self.awaited_answers = None
         seconds, self.pause_backoff_s = self.pause_backoff_s, min(self.pause_backoff_s * 2,
                                                                    PAUSE_LONGEST_S)
-        counters.add("pauses")
         return seconds
+
+    def awaited_kernel_landed(self) -> bool:
+        """Did the compile this pause waits for end (a kernel, or a failure)? Polls."""
+        if self.awaited_answers is None:
+            return False
+        self.table.poll_compiles()
+        return self.table.compiles_answered != self.awaited_answers
 
     def _end_hot(self) -> bool:
         """Finish a deferred run: fused if a kernel fits, else replayed per-op.

@@ -29,11 +29,10 @@ from adaptive_eager.cache.store import SegmentRecord
 from adaptive_eager.config import config
 from adaptive_eager.dispatch.signature import without_shapes
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
-from adaptive_eager.runtime.graph import build_graph
 from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.describe import key_parts, op_lines
-from adaptive_eager.runtime.segment import Segment
+from adaptive_eager.runtime.segment import Segment, to_wire
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, Variant
 
@@ -41,6 +40,7 @@ MIN_COMPUTE_OPS = 2   # a single op gains nothing from fusion and pays the hot-p
 PROFIT_SAMPLES = 3    # fused runs timed (after a first, warm-up run) before judging a kernel
 PROFIT_MARGIN = 0.10  # a kernel must beat per-op by this fraction to be kept
 TIMING_SAMPLES = 8    # recent wall times kept per key and mode
+CHURN_VARIANTS = 3    # new keys of a structure with this many shapes: see KeyEntry.churning
 
 
 class KeyState(str, enum.Enum):
@@ -71,6 +71,7 @@ class KeyEntry:
     eager_samples: list = dataclasses.field(default_factory=list)   # per-op run wall times
     fused_samples: list = dataclasses.field(default_factory=list)   # fused run wall times
     judged: bool = False               # profitability decided
+    structure_variants: int = 1        # shape variants of its structure when it was new
 
     @property
     def eager_ms(self) -> float | None:
@@ -86,13 +87,13 @@ class KeyEntry:
 
     @property
     def promising(self) -> bool:
-        """Is fusion paying, or could it? (Nothing promising for long: the runtime pauses.)"""
+        """Is fusion paying, or could it soon? (Nothing promising for long: the runtime
+        pauses, Note [Pausing].) A compiling key is not: until its kernel lands, watching it
+        run per-op gains nothing."""
         if self.state is KeyState.READY:
             return True
-        # A key seen once is no evidence (dynamic shapes make new keys all the time); a
-        # compiling one must still look worth it: the runs that made it hot can be slower
-        # than steady state.
-        return self.state in (KeyState.COLD, KeyState.COMPILING) and self.seen >= 2 \
+        # A key seen once is no evidence (dynamic shapes make new keys all the time).
+        return self.state is KeyState.COLD and self.seen >= 2 \
             and self.segment.compute_ops >= MIN_COMPUTE_OPS \
             and self.compute_seconds * 1e6 >= config.MIN_SEGMENT_US
 
@@ -101,6 +102,11 @@ class KeyEntry:
         """Was it judged never to be fused (in this process)?"""
         return self.state in (KeyState.UNFUSIBLE, KeyState.FAILED, KeyState.UNPROFITABLE,
                               KeyState.MEGAMORPHIC)
+
+    @property
+    def churning(self) -> bool:
+        """A new key of a structure already seen in several shapes: shapes keep changing."""
+        return self.seen == 1 and self.structure_variants >= CHURN_VARIANTS
 
     def add_sample(self, samples: list, seconds: float) -> None:
         samples.append(seconds)
@@ -235,6 +241,7 @@ class KeyTable:
         self._lock = threading.RLock()
         self.worker: CompileWorker | None = None
         self._compiling: dict[int, KeyEntry] = {}   # request id -> entry
+        self.compiles_answered = 0        # worker results handled (kernels or failures)
         self._next_request = 0
         self._threads = ThreadShare()
         if disk is not None and disk.has_artifacts():     # a warm start: loads will come
@@ -302,6 +309,7 @@ class KeyTable:
         structure = structure_of(entry.segment)
         variants = self._structures.get(structure, 0) + 1
         self._structures[structure] = variants
+        entry.structure_variants = variants
         if variants > config.MAX_SHAPE_VARIANTS and entry.state is KeyState.COLD:
             entry.state = KeyState.MEGAMORPHIC
             entry.reason = f"more than {config.MAX_SHAPE_VARIANTS} shape variants"
@@ -391,8 +399,7 @@ class KeyTable:
         segment = entry.segment
         metas = segment.input_metas + tuple(segment.out_meta(ref) for ref in segment.live_refs)
         self._next_request += 1
-        request = CompileRequest(self._next_request, entry.digest,
-                                 build_graph(segment, segment.live_refs), metas,
+        request = CompileRequest(self._next_request, entry.digest, to_wire(segment), metas,
                                  (type(compiler).__module__, type(compiler).__qualname__),
                                  self._threads.program_threads())
         entry.state = KeyState.COMPILING
@@ -411,8 +418,13 @@ class KeyTable:
                 entry = self._compiling.pop(result.request_id, None)
                 if entry is not None:
                     self._finish_background(entry, result)
+                    self.compiles_answered += 1
         if not self._compiling:
             self._threads.compiles_done()
+
+    @property
+    def compiles_in_flight(self) -> int:
+        return len(self._compiling)
 
     def release_kernels(self) -> None:
         """Unload every kernel; their keys turn hot again at first sight and load them."""

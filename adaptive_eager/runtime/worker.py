@@ -64,7 +64,7 @@ def _receive(stream: BinaryIO) -> Any:
 class CompileRequest:
     request_id: int
     digest: str
-    graph: Any                                        # torch.fx.GraphModule (pickles as code)
+    segment: tuple                                    # runtime.segment.to_wire(segment)
     input_metas: tuple                                # TensorMeta per placeholder
     compiler: tuple                                   # (module, qualified name) to instantiate
     threads: int                                      # the program's intra-op threads: CPU
@@ -101,7 +101,7 @@ def _compile(request: CompileRequest, store, compilers: dict) -> CompileResult:
         torch.set_num_threads(request.threads)
         compiler = _instantiate(request.compiler, compilers)
         example_inputs = [meta.empty() for meta in request.input_metas]
-        kernel = compiler.compile(request.graph, example_inputs)
+        kernel = compiler.compile(_graph_of(request.segment), example_inputs)
         shipped = _ship(request.digest, kernel, compiler, store)
     except Exception as err:  # reported to the runtime, which runs the segment per-op
         return CompileResult(request.request_id, request.digest, False,
@@ -111,6 +111,13 @@ def _compile(request: CompileRequest, store, compilers: dict) -> CompileResult:
                              error="compile_error: the kernel cannot be saved for shipping")
     return CompileResult(request.request_id, request.digest, True, shipped,
                          time.perf_counter() - started)
+
+
+def _graph_of(wire: tuple):
+    from adaptive_eager.runtime.graph import build_graph
+    from adaptive_eager.runtime.segment import from_wire
+    segment = from_wire(wire)
+    return build_graph(segment, segment.live_refs)
 
 
 def _ship(digest: str, kernel, compiler, store) -> tuple | None:
