@@ -30,6 +30,12 @@ class Compiler(Protocol):
     def compile(self, graph: fx.GraphModule, example_inputs: list[torch.Tensor]) -> FusedKernel:
         ...
 
+    def compile_generic(self, generic) -> tuple:
+        """(kernel, generic) for a runtime.generic.GenericSegment: a kernel with the calling
+        convention of ``compile``'s, for every input shape the returned generic segment (with
+        what the compile assumed, if anything) binds."""
+        ...
+
     def save(self, kernel: FusedKernel, path: str) -> bool:
         """Write ``kernel`` to ``path``; False if this kernel cannot be saved."""
         ...
@@ -56,6 +62,11 @@ class InductorCompiler:
                                       dynamic_shapes="from_example_inputs")
         finally:
             quiet.setLevel(level)
+
+    def compile_generic(self, generic) -> tuple:
+        """One kernel for every shape a runtime.generic.GenericSegment fits."""
+        from adaptive_eager.runtime.generic import compile_generic
+        return compile_generic(generic)
 
     def save(self, kernel: FusedKernel, path: str) -> bool:
         if not kernel.is_saveable():
@@ -100,6 +111,10 @@ class CountingCompiler:
         if self.fail_with is not None:
             raise self.fail_with("compile failure requested by the test")
         return graph
+
+    def compile_generic(self, generic) -> tuple:
+        from adaptive_eager.runtime.generic import build_generic_graph
+        return self.compile(build_generic_graph(generic), []), generic
 
     def save(self, kernel: FusedKernel, path: str) -> bool:
         torch.save(kernel, path)                 # a GraphModule pickles as its code

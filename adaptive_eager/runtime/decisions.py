@@ -33,6 +33,8 @@ DECISIONS = {
     "verify_mismatch": (logging.WARNING, "key"),
     "unprofitable": (logging.INFO, "key"),
     "megamorphic": (logging.INFO, "key"),
+    "generic_kernel": (logging.DEBUG, "key"),
+    "not_generic": (logging.INFO, "key"),
     "evicted": (logging.DEBUG, "key"),
     "divergence": (logging.DEBUG, "key"),
     "fallback": (logging.DEBUG, "reason"),

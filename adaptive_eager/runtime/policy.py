@@ -20,6 +20,7 @@ import threading
 import time
 
 import cachetools
+from typing import Any
 
 from adaptive_eager import faults
 from adaptive_eager.cache.digest import stable_digest
@@ -32,6 +33,8 @@ from adaptive_eager.runtime.compiler import compile_segment, current_compiler
 from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.describe import key_parts, op_lines
+from adaptive_eager.runtime.generic import fits, generalize
+from adaptive_eager.runtime.generic import from_wire as from_generic_wire
 from adaptive_eager.runtime.segment import Segment, to_wire
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, Variant
@@ -41,6 +44,7 @@ PROFIT_SAMPLES = 3    # fused runs timed (after a first, warm-up run) before jud
 PROFIT_MARGIN = 0.10  # a kernel must beat per-op by this fraction to be kept
 TIMING_SAMPLES = 8    # recent wall times kept per key and mode
 CHURN_VARIANTS = 3    # new keys of a structure with this many shapes: see KeyEntry.churning
+GENERIC_VARIANTS = 3  # shapes of one structure a generic kernel is derived from
 
 
 class KeyState(str, enum.Enum):
@@ -72,6 +76,9 @@ class KeyEntry:
     fused_samples: list = dataclasses.field(default_factory=list)   # fused run wall times
     judged: bool = False               # profitability decided
     structure_variants: int = 1        # shape variants of its structure when it was new
+    structure: Any = None              # its Structure
+    generic: bool = False              # runs its structure's generic kernel
+    generic_refused: bool = False      # that kernel does not fit its shape
 
     @property
     def eager_ms(self) -> float | None:
@@ -119,6 +126,23 @@ class KeyEntry:
         if self.eager_ms is None or self.fused_ms is None:
             return 0.0
         return (self.eager_ms - self.fused_ms) / 1e3 * self.fused_runs
+
+
+@dataclasses.dataclass(eq=False)
+class Structure:
+    """What is known of one op structure across its shapes (Note [Megamorphic], Note
+    [Generic kernels])."""
+    variants: int = 0                  # keys (shapes) seen
+    recent: list = dataclasses.field(default_factory=list)  # last GENERIC_VARIANTS segments
+    generic: Any = None                # runtime.generic.GenericSegment, once compiled
+    kernel: Any = None                 # its kernel: serves every shape it ``fits``
+    generic_state: str = "none"        # none / compiling / ready / failed
+    digest: str = ""                   # names its generic kernel in decisions
+    waiting: list = dataclasses.field(default_factory=list)  # hot keys for the kernel
+
+    def remember(self, segment: Segment) -> None:
+        self.variants += 1
+        self.recent = (self.recent + [segment])[-GENERIC_VARIANTS:]
 
 
 def unfusible_reason(segment: Segment, entry: KeyEntry) -> str | None:
@@ -240,7 +264,8 @@ class KeyTable:
         self._structures = cachetools.LRUCache(maxsize=config.MAX_KEYS)
         self._lock = threading.RLock()
         self.worker: CompileWorker | None = None
-        self._compiling: dict[int, KeyEntry] = {}   # request id -> entry
+        # request id -> KeyEntry, or (Structure, example segment) for a generic kernel
+        self._compiling: dict[int, Any] = {}
         self.compiles_answered = 0        # worker results handled (kernels or failures)
         self._next_request = 0
         self._threads = ThreadShare()
@@ -270,22 +295,32 @@ class KeyTable:
             entry.add_sample(entry.eager_samples, seconds)
             self._note(entry, seen=1, eager_ms=entry.eager_ms)
             threshold = 1 if entry.artifact_path else config.HOT_THRESHOLD
-            if entry.state is KeyState.COLD and entry.seen >= threshold:
+            if entry.structure.kernel is not None and \
+                    entry.state in (KeyState.COLD, KeyState.MEGAMORPHIC):
+                self._serve_generically(entry)
+            elif entry.state is KeyState.COLD and entry.seen >= threshold:
                 self._turn_hot(entry)
         self.maybe_flush()
         return entry
 
     def _forget_least_recent(self) -> None:
         """Keep at most MAX_KEYS entries: forget the least recently seen that hold no kernel
-        and are not compiling (what was decided about them stays on disk)."""
+        of their own and are not compiling (what was decided about them stays on disk), never
+        the newest. A shape served by a generic kernel is forgotten with its place in the
+        trie; it is served again after its next per-op run."""
         excess = len(self._entries) - config.MAX_KEYS
         if excess <= 0:
             return
+        older = itertools.islice(self._entries.items(), len(self._entries) - 1)
         forgettable = list(itertools.islice(
-            (key for key, entry in self._entries.items()
-             if entry.state not in (KeyState.READY, KeyState.COMPILING)), excess))
+            (key for key, entry in older
+             if entry.generic or entry.state not in (KeyState.READY, KeyState.COMPILING)),
+            excess))
         for key in forgettable:
             entry = self._entries.pop(key)
+            variant = self.kernels.get(entry.digest) if entry.generic else None
+            if variant is not None:
+                self._drop_kernel(variant)
             if self.disk is not None:
                 self.disk.forget(entry.digest)
         counters.add("keys_forgotten", len(forgettable))
@@ -306,10 +341,13 @@ class KeyTable:
         """Note [Megamorphic]: keys that differ only in shapes and strides share a structure.
         Past MAX_SHAPE_VARIANTS of one structure, new ones are not compiled, which bounds the
         compiles of a loop over ever-new shapes."""
-        structure = structure_of(entry.segment)
-        variants = self._structures.get(structure, 0) + 1
-        self._structures[structure] = variants
-        entry.structure_variants = variants
+        key = structure_of(entry.segment)
+        structure = self._structures.get(key)
+        if structure is None:
+            structure = self._structures[key] = Structure()
+        structure.remember(entry.segment)
+        entry.structure, entry.structure_variants = structure, structure.variants
+        variants = structure.variants
         if variants > config.MAX_SHAPE_VARIANTS and entry.state is KeyState.COLD:
             entry.state = KeyState.MEGAMORPHIC
             entry.reason = f"more than {config.MAX_SHAPE_VARIANTS} shape variants"
@@ -342,7 +380,7 @@ class KeyTable:
             entry.state, entry.reason = KeyState.HOT, "compile_disabled"
             counters.fallback("compile_disabled")
             decide("compile_disabled", key=entry.digest)
-        elif not self._load(entry):
+        elif not self._load(entry) and not self._compile_generically(entry):
             self._compile(entry)
             return
         self._note(entry, state=entry.state.value, reason=entry.reason)
@@ -393,20 +431,25 @@ class KeyTable:
 
     def _submit(self, entry: KeyEntry, compiler) -> None:
         """Hand ``entry`` to the compile worker; it runs per-op until the kernel arrives."""
+        segment = entry.segment
+        metas = segment.input_metas + tuple(segment.out_meta(ref) for ref in segment.live_refs)
+        entry.state = KeyState.COMPILING
+        self._send(entry, compiler, entry.digest, to_wire(segment), metas)
+        decide("compiling", key=entry.digest, ops=len(segment.ops))
+
+    def _send(self, target, compiler, digest: str, segment: tuple, metas: tuple,
+              variants: tuple = ()) -> None:
+        """A compile request for ``target`` (a KeyEntry, or a Structure's generic kernel)."""
         if self.worker is None:
             self.worker = CompileWorker(self.disk.store.directory, config.COMPILE_TIMEOUT_S)
             _prepare_loading(compiler)
-        segment = entry.segment
-        metas = segment.input_metas + tuple(segment.out_meta(ref) for ref in segment.live_refs)
         self._next_request += 1
-        request = CompileRequest(self._next_request, entry.digest, to_wire(segment), metas,
+        request = CompileRequest(self._next_request, digest, segment, metas,
                                  (type(compiler).__module__, type(compiler).__qualname__),
-                                 self._threads.program_threads())
-        entry.state = KeyState.COMPILING
-        self._compiling[request.request_id] = entry
+                                 self._threads.program_threads(), variants)
+        self._compiling[request.request_id] = target
         self._threads.compile_started()
         self.worker.submit(request)
-        decide("compiling", key=entry.digest, ops=len(segment.ops))
 
     def poll_compiles(self, wait_s: float = 0.0) -> None:
         """Swap in the kernels the worker finished (at a segment boundary: never mid-run)."""
@@ -415,9 +458,12 @@ class KeyTable:
         results = self.worker.wait(wait_s) if wait_s else self.worker.poll()
         for result in results:
             with self._lock:
-                entry = self._compiling.pop(result.request_id, None)
-                if entry is not None:
-                    self._finish_background(entry, result)
+                target = self._compiling.pop(result.request_id, None)
+                if isinstance(target, tuple):             # (Structure, example)
+                    self._finish_generic(target, result)
+                elif target is not None:
+                    self._finish_background(target, result)
+                if target is not None:
                     self.compiles_answered += 1
         if not self._compiling:
             self._threads.compiles_done()
@@ -468,6 +514,97 @@ class KeyTable:
         self.flush()
         decide("compiled", key=entry.digest, ops=len(entry.segment.ops),
                seconds=result.seconds, compiler="worker")
+
+    # ------------------------------------------------------------------ generic kernels
+
+    def _compile_generically(self, entry: KeyEntry) -> bool:
+        """Note [Generic kernels]: a key turning hot whose structure keeps coming in other
+        shapes (variable batch or sequence length) gets, with all its shapes, one kernel
+        compiled for sizes that vary (runtime.generic), rather than one kernel per shape.
+        True when it waits for that kernel, or got it; False: compile it on its own."""
+        structure = entry.structure
+        if structure.generic_state == "failed" or len(structure.recent) < GENERIC_VARIANTS:
+            return False
+        if structure.generic_state == "none":
+            self._start_generic(structure)
+        if structure.generic_state == "ready":
+            return self._serve_generically(entry)
+        if structure.generic_state == "failed":
+            return False
+        entry.state = KeyState.COMPILING
+        structure.waiting.append(entry)
+        decide("compiling", key=entry.digest, ops=len(entry.segment.ops), generic=True)
+        return True
+
+    def _start_generic(self, structure: Structure) -> None:
+        variants = list(structure.recent)
+        example = variants[0]
+        structure.generic_state = "compiling"
+        structure.digest = "generic-" + stable_digest(structure_of(example))
+        compiler = current_compiler()
+        if config.ASYNC and self.disk is not None:
+            self._send((structure, example), compiler, structure.digest, to_wire(example), (),
+                       tuple(to_wire(v) for v in variants))
+            return
+        started = time.perf_counter()
+        try:
+            faults.check_compile()
+            kernel, generic = compiler.compile_generic(generalize(variants, symbolic=False))
+        except Exception as err:  # NotGeneric, or the compiler's error: compile per shape
+            self._generic_failed(structure, f"{type(err).__name__}: {err}"[:500])
+            return
+        self._generic_ready(structure, generic, kernel, time.perf_counter() - started)
+
+    def _finish_generic(self, job: tuple, result) -> None:
+        structure, example = job
+        if not result.ok:
+            self._generic_failed(structure, result.error)
+            return
+        path = result.artifact[0]
+        _wait_for_preparation()
+        kernel = self.disk.load_kernel(path, current_compiler())
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)   # always a transfer dir
+        if kernel is None:
+            self._generic_failed(structure, "compile_error: the worker's artifact did not load")
+            return
+        self._generic_ready(structure, from_generic_wire(example, result.generic), kernel,
+                            result.seconds)
+
+    def _generic_ready(self, structure: Structure, generic, kernel, seconds: float) -> None:
+        structure.generic, structure.kernel = generic, kernel
+        structure.generic_state = "ready"
+        counters.add("compiles")
+        counters.add("generic_kernels")
+        counters.add("compile_seconds", seconds)
+        decide("compiled", key=structure.digest, ops=len(generic.example.ops),
+               symbols=len(generic.symbols), seconds=seconds)
+        waiting, structure.waiting = structure.waiting, []
+        for entry in waiting:
+            if entry.state is KeyState.COMPILING and not self._serve_generically(entry):
+                self._compile(entry)
+
+    def _generic_failed(self, structure: Structure, reason: str) -> None:
+        structure.generic_state, structure.kernel = "failed", None
+        counters.fallback("not_generic")
+        if not reason.startswith(("compile_error: NotGeneric", "NotGeneric")):
+            counters.add("compile_failures")
+        decide("not_generic", key=structure.digest, reason=reason)
+        waiting, structure.waiting = structure.waiting, []
+        for entry in waiting:
+            if entry.state is KeyState.COMPILING:
+                self._compile(entry)
+
+    def _serve_generically(self, entry: KeyEntry) -> bool:
+        """Give ``entry`` its structure's generic kernel, if that serves its shape."""
+        structure = entry.structure
+        if entry.generic_refused or not fits(structure.generic, entry.segment):
+            entry.generic_refused = True
+            return False
+        entry.reason, entry.generic = None, True
+        self._install(entry, structure.kernel)
+        counters.add("generic_instances")
+        decide("generic_kernel", key=entry.digest, ops=len(entry.segment.ops))
+        return True
 
     def _install(self, entry: KeyEntry, kernel) -> None:
         kernel = faults.damaged_kernel(kernel)
@@ -528,10 +665,15 @@ class KeyTable:
         decide("failed", key=entry.digest, ops=entry.segment.describe()[:100], reason=reason)
 
     def demote(self, variant: Variant, reason: str) -> None:
-        """Never replay ``variant`` again (its kernel raised, or verification failed)."""
+        """Never replay ``variant`` again (its kernel raised, or verification failed); for a
+        generic kernel, no new shape gets it either (those that have it are checked at their
+        first run, as every new kernel is)."""
         with self._lock:
             self._drop_kernel(variant)
             self.mark_failed(variant.entry, reason[:500])
+            if variant.entry.generic:
+                structure = variant.entry.structure
+                structure.generic_state, structure.kernel = "failed", None
 
     def _drop_kernel(self, variant: Variant) -> None:
         """Out of the trie the hot path walks and out of memory (the store keeps its record)."""

@@ -19,6 +19,8 @@ class Stats:
     compiles: int = 0
     compile_failures: int = 0
     compile_seconds: float = 0.0
+    generic_kernels: int = 0        # compiles for every shape of a structure (Note [Generic kernels])
+    generic_instances: int = 0      # keys (shapes) served by one of those, without a compile
     fused_executions: int = 0
     fused_ops: int = 0
     per_op_executions: int = 0

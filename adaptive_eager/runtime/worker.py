@@ -69,6 +69,8 @@ class CompileRequest:
     compiler: tuple                                   # (module, qualified name) to instantiate
     threads: int                                      # the program's intra-op threads: CPU
                                                       # kernels are generated for that many
+    variants: tuple = ()                              # to_wire of recorded shapes: compile one
+                                                      # generic kernel (runtime.generic) instead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,7 @@ class CompileResult:
     artifact: tuple | None = None                     # (path, size, checksum)
     seconds: float = 0.0
     error: str | None = None
+    generic: tuple | None = None                      # runtime.generic.to_wire, for variants
 
 
 # --------------------------------------------------------------------- the worker process
@@ -100,9 +103,14 @@ def _compile(request: CompileRequest, store, compilers: dict) -> CompileResult:
         faults.check_compile(in_worker=True)
         torch.set_num_threads(request.threads)
         compiler = _instantiate(request.compiler, compilers)
-        example_inputs = [meta.empty() for meta in request.input_metas]
-        kernel = compiler.compile(_graph_of(request.segment), example_inputs)
-        shipped = _ship(request.digest, kernel, compiler, store)
+        generic = None
+        if request.variants:
+            kernel, generic = _compile_generic(request.variants, compiler)
+            shipped = _ship_temporarily(kernel, compiler)    # a kernel of this process only
+        else:
+            example_inputs = [meta.empty() for meta in request.input_metas]
+            kernel = compiler.compile(_graph_of(request.segment), example_inputs)
+            shipped = _ship(request.digest, kernel, compiler, store)
     except Exception as err:  # reported to the runtime, which runs the segment per-op
         return CompileResult(request.request_id, request.digest, False,
                              error=f"compile_error: {type(err).__name__}: {err}"[:500])
@@ -110,7 +118,16 @@ def _compile(request: CompileRequest, store, compilers: dict) -> CompileResult:
         return CompileResult(request.request_id, request.digest, False,
                              error="compile_error: the kernel cannot be saved for shipping")
     return CompileResult(request.request_id, request.digest, True, shipped,
-                         time.perf_counter() - started)
+                         time.perf_counter() - started, generic=generic)
+
+
+def _compile_generic(variants: tuple, compiler) -> tuple:
+    """(kernel, generic wire) for recorded shapes of one structure; NotGeneric says why not."""
+    from adaptive_eager.runtime import generic as generic_segments
+    from adaptive_eager.runtime.segment import from_wire
+    generic = generic_segments.generalize([from_wire(w) for w in variants], symbolic=False)
+    kernel, generic = compiler.compile_generic(generic)
+    return kernel, generic_segments.to_wire(generic)
 
 
 def _graph_of(wire: tuple):
@@ -129,13 +146,18 @@ def _ship(digest: str, kernel, compiler, store) -> tuple | None:
         saved = store.save_artifact(digest, write)
         return None if saved is None else (store.artifact_file(saved[0]), *saved[1:])
     except OSError:
-        from adaptive_eager.cache.store import file_digest
-        path = os.path.join(tempfile.mkdtemp(prefix=TRANSFER_PREFIX), "kernel.bin")
-        if not write(path):
-            return None
-        with open(path, "rb") as handle:
-            data = handle.read()
-        return path, len(data), file_digest(data)
+        return _ship_temporarily(kernel, compiler)
+
+
+def _ship_temporarily(kernel, compiler) -> tuple | None:
+    """Save ``kernel`` into a private temporary directory the runtime removes after loading."""
+    from adaptive_eager.cache.store import file_digest
+    path = os.path.join(tempfile.mkdtemp(prefix=TRANSFER_PREFIX), "kernel.bin")
+    if not compiler.save(kernel, path):
+        return None
+    with open(path, "rb") as handle:
+        data = handle.read()
+    return path, len(data), file_digest(data)
 
 
 def _die_with_parent() -> None:

@@ -94,11 +94,31 @@ def test_ever_new_shapes_compile_a_bounded_number_of_times(compiler):
             x = torch.randn(length)
             for _ in range(3):
                 outs.append((x, chain(x)))
-    assert compiler.count == 3
-    assert _states().count(KeyState.MEGAMORPHIC) == 5
-    assert ae.stats().fallbacks["megamorphic"] == 5
+    # two shapes compile alone; at the third, one kernel for every length (Note [Generic kernels])
+    stats = ae.stats()
+    assert compiler.count == 3 and stats.generic_kernels == 1
+    assert stats.generic_instances == 6 and stats.fused_executions >= 6
     for x, out in outs:
         assert_equal(out, chain(x))
+
+
+def trimmed_chain(x):
+    return chain(x)[:-1].exp()             # a size of L - 1: not a product of the lengths
+
+
+def test_shapes_one_kernel_cannot_serve_compile_a_bounded_number_of_times(compiler):
+    outs = []
+    with config.patch(MAX_SHAPE_VARIANTS=3), ae.enabled():
+        for length in range(4, 12):
+            x = torch.randn(length)
+            for _ in range(3):
+                outs.append((x, trimmed_chain(x)))
+        assert _states().count(KeyState.MEGAMORPHIC) == 5
+    stats = ae.stats()
+    assert compiler.count == 3 and stats.generic_kernels == 0
+    assert stats.fallbacks["not_generic"] == 1 and stats.fallbacks["megamorphic"] == 5
+    for x, out in outs:
+        assert_equal(out, trimmed_chain(x))
 
 
 @pytest.mark.parametrize("lengths", [range(5, 45)], ids=["new_length_each_step"])

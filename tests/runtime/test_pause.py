@@ -153,3 +153,37 @@ def test_paused_block_is_plain_eager_and_keeps_the_kernels(compiler):
     assert ae.stats().fused_executions >= 3
     for out in outs + [plain]:
         assert_equal(out, chain())
+
+
+def test_a_training_loop_waits_paused_for_its_kernels_and_resumes_when_one_lands(pausing):
+    model = _tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)            # lr 0: same values each step
+    x = torch.randn(1, 8)
+    expected = model(x).detach()
+
+    def train(steps):
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            out = model(x)
+            out.sum().backward()
+            opt.step()
+            losses.append(out.detach())
+        return losses
+    with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, ASYNC=True, COMPILE_TIMEOUT_S=120), \
+            ae.enabled():
+        outs = train(8)                   # keys turn hot at step 2, then only wait: pause
+        assert ae.is_paused() and engine.shared_table().compiles_in_flight
+        seen = ae.stats().ops_seen
+        outs += train(2)
+        assert ae.stats().ops_seen == seen                       # nothing intercepted
+        deadline = time.monotonic() + 120
+        while ae.is_paused() and time.monotonic() < deadline:   # the worker starts, compiles
+            time.sleep(0.05)
+            outs += train(1)                # a control point notices a kernel landed: resumes
+        assert not ae.is_paused()
+        outs += train(4)
+    stats = ae.stats()
+    assert stats.pauses >= 1 and stats.compiles >= 1 and stats.fused_executions >= 1
+    for out in outs:
+        assert_equal(out, expected)
