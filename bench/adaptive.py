@@ -5,7 +5,8 @@
 1. tiny tensors (≤ 4096 elements): a bare 8-op chain loop and an MLP at batch 1;
 2. a loop with a new sequence length every iteration (compile count must stay bounded);
 3. the first 20 training steps in a fresh process with an empty cache (no stall);
-4. large tensors: the pointwise chain and LayerNorm+GELU+residual at 8M elements.
+4. bucketed sequence lengths that recur: one shape-generic kernel serves them all;
+5. large tensors: the pointwise chain and LayerNorm+GELU+residual at 8M elements.
 Ratios are adaptive time / eager time (lower is better; 1.10 = 10% slower than eager).
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 import torch
 
 import adaptive_eager as ae
+from adaptive_eager.config import config
 from adaptive_eager.benchmarks.workloads import layernorm_gelu_residual, pointwise_chain
 
 
@@ -82,12 +84,49 @@ def variable_length(steps: int) -> dict:
         lengths = iter(range(8, 8 + steps))
         with ae.enabled() if adaptive else contextlib.nullcontext():
             return _timed(step, steps)
-    ae.reset()
     timed(adaptive=False)                         # the allocator meets every shape once
-    eager = timed(adaptive=False)
-    adaptive = timed(adaptive=True)
-    return {"case": "new sequence length every step", "eager_s": eager, "adaptive_s": adaptive,
-            "compiles": ae.stats().compiles}
+    eager, adaptive, compiles = [], [], 0
+    for _ in range(3):                            # a fresh runtime and empty cache each round
+        with tempfile.TemporaryDirectory(prefix="ae-varlen-") as cache, \
+                config.patch(CACHE_DIR=cache):
+            ae.reset()
+            eager.append(timed(adaptive=False))
+            adaptive.append(timed(adaptive=True))
+            compiles += ae.stats().compiles
+            ae.reset()
+    return {"case": "new sequence length every step", "eager_s": statistics.median(eager),
+            "adaptive_s": statistics.median(adaptive), "compiles": compiles}
+
+
+def recurring_lengths(rounds: int = 4) -> dict:
+    """Bucketed sequence lengths (8 lengths, over and over): one generic kernel for all."""
+    lengths = [256 * k for k in range(1, 9)]
+    inputs = {length: torch.randn(4, length, 1024) for length in lengths}
+
+    def block(x):
+        return torch.nn.functional.layer_norm(torch.nn.functional.gelu(x) * 2 + x, (1024,))
+
+    def cycle():
+        for length in lengths:
+            out = block(inputs[length])
+            ae.sync()                                # with ``out`` alive: it is written
+        return out
+    ae.reset()
+    eager, adaptive = [], []
+    with ae.enabled():
+        for _ in range(3):
+            cycle()                                  # every length hot: one generic compile
+        ae.sync(wait_compiles=600)
+        cycle()                                      # lengths the pause skipped get it now,
+        cycle()                                      # and each its first (checked) fused run
+        for _ in range(rounds):
+            with ae.paused():
+                eager.append(_timed(cycle, 1))
+            adaptive.append(_timed(cycle, 1))
+    stats = ae.stats()
+    return {"case": "8 recurring lengths, 1-8M elements", "eager_s": statistics.median(eager),
+            "adaptive_s": statistics.median(adaptive), "compiles": stats.compiles,
+            "generic": stats.generic_kernels}
 
 
 FIRST_STEPS = textwrap.dedent("""
@@ -111,17 +150,19 @@ FIRST_STEPS = textwrap.dedent("""
 """)
 
 
-def first_training_steps() -> dict:
-    with tempfile.TemporaryDirectory(prefix="ae-fresh-") as cache:
-        env = {**os.environ, "NEURON_ADAPTIVE_EAGER_CACHE_DIR": cache}
-        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        seconds = {}
-        for mode in ("eager", "adaptive"):
-            out = subprocess.run([sys.executable, "-c", FIRST_STEPS, mode], env=env,
-                                 capture_output=True, text=True, check=True).stdout
-            seconds[mode] = json.loads(out.strip().splitlines()[-1])["seconds"]
-    return {"case": "first 20 training steps, fresh process", "eager_s": seconds["eager"],
-            "adaptive_s": seconds["adaptive"]}
+def first_training_steps(rounds: int = 3) -> dict:
+    """Medians of ``rounds`` pairs of fresh processes, each adaptive one with empty caches."""
+    seconds = {"eager": [], "adaptive": []}
+    for _ in range(rounds):
+        for mode in seconds:
+            with tempfile.TemporaryDirectory(prefix="ae-fresh-") as cache:
+                env = {**os.environ, "NEURON_ADAPTIVE_EAGER_CACHE_DIR": cache,
+                       "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
+                out = subprocess.run([sys.executable, "-c", FIRST_STEPS, mode], env=env,
+                                     capture_output=True, text=True, check=True).stdout
+            seconds[mode].append(json.loads(out.strip().splitlines()[-1])["seconds"])
+    return {"case": "first 20 training steps, fresh process", "eager_s":
+            statistics.median(seconds["eager"]), "adaptive_s": statistics.median(seconds["adaptive"])}
 
 
 def large(name: str, make, numel: int) -> dict:
@@ -157,13 +198,15 @@ def main() -> None:
           f"{os.cpu_count()} cores")
     print(f"{'case':<42}{'eager s':>10}{'adaptive s':>12}{'ratio':>8}  notes")
     for row in (tiny_chain(steps), tiny_mlp(steps), variable_length(steps // 10),
-                first_training_steps(),
+                first_training_steps(), recurring_lengths(),
                 large("pointwise chain", pointwise_chain, 8 << 20),
                 large("LayerNorm+GELU+residual", layernorm_gelu_residual, 8 << 20)):
         ratio = row["adaptive_s"] / row["eager_s"]
         notes = f"compiles={row['compiles']}" if "compiles" in row else ""
-        if row["case"].startswith(("pointwise", "LayerNorm")):
-            notes = f"speedup {1 / ratio:.2f}x"
+        if "generic" in row:
+            notes += f" (generic {row['generic']})"
+        if row["case"].startswith(("pointwise", "LayerNorm", "8 recurring")):
+            notes += f" speedup {1 / ratio:.2f}x"
         print(f"{row['case']:<42}{row['eager_s']:>10.4f}{row['adaptive_s']:>12.4f}"
               f"{ratio:>8.2f}  {notes}", flush=True)
 
