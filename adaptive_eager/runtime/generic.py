@@ -42,7 +42,8 @@ import torch.fx as fx
 
 from adaptive_eager.dispatch.ops import OpKind
 from adaptive_eager.dispatch.signature import ScalarArg, TensorArg, TensorMeta
-from adaptive_eager.runtime.segment import SINGLE, VOID, Segment, flatten_outputs
+from adaptive_eager.runtime.graph import name_outputs, write_buffers
+from adaptive_eager.runtime.segment import Segment, flatten_outputs
 
 aten = torch.ops.aten
 
@@ -498,20 +499,8 @@ def build_generic_graph(generic: GenericSegment) -> fx.GraphModule:
     for index, (op, (args, kwargs)) in enumerate(zip(segment.ops, generic.calls)):
         node = graph.call_function(op.func, tuple(_decode(args, tensor_of, leaf)),
                                    {name: _decode(v, tensor_of, leaf) for name, v in kwargs})
-        if op.kind is OpKind.MUTATING or op.container == VOID:
-            continue
-        if op.container == SINGLE:
-            values[("out", index, 0)] = node
-        else:
-            for out_index, meta in enumerate(op.out_metas):
-                if meta is not None:
-                    values[("out", index, out_index)] = graph.call_function(
-                        operator.getitem, (node, out_index))
-    for buffer, ref in zip(buffers, segment.live_refs):
-        graph.call_function(aten.copy_.default, (buffer, values[ref]))
-    graph.output(())
-    graph.eliminate_dead_code()
-    return fx.GraphModule(torch.nn.Module(), graph)
+        name_outputs(graph, values, index, op, node)
+    return write_buffers(graph, buffers, segment.live_refs, values)
 
 
 def compile_symbolic(graph: fx.GraphModule, metas: Sequence[GenericMeta],

@@ -31,16 +31,25 @@ def build_graph(segment: Segment, live_refs: tuple[Ref, ...]) -> fx.GraphModule:
 
     for index, op in enumerate(segment.ops):
         args, kwargs = _decode_call(op, node_of)
-        node = graph.call_function(op.func, tuple(args), kwargs)
-        if op.kind is OpKind.MUTATING or op.container == VOID:
-            continue                      # it returns tensors that already have a name
-        if op.container == SINGLE:
-            values[("out", index, 0)] = node
-        else:
-            for out_index, meta in enumerate(op.out_metas):
-                if meta is not None:
-                    values[("out", index, out_index)] = graph.call_function(
-                        operator.getitem, (node, out_index))
+        name_outputs(graph, values, index, op, graph.call_function(op.func, tuple(args), kwargs))
+    return write_buffers(graph, buffers, live_refs, values)
+
+
+def name_outputs(graph: fx.Graph, values: dict, index: int, op: OpRecord, node: fx.Node) -> None:
+    """Record in ``values`` the nodes of the tensors op ``index`` returns (by Ref)."""
+    if op.kind is OpKind.MUTATING or op.container == VOID:
+        return                            # it returns tensors that already have a name
+    if op.container == SINGLE:
+        values[("out", index, 0)] = node
+        return
+    for out_index, meta in enumerate(op.out_metas):
+        if meta is not None:
+            values[("out", index, out_index)] = graph.call_function(
+                operator.getitem, (node, out_index))
+
+
+def write_buffers(graph: fx.Graph, buffers: list, live_refs: tuple, values: dict) -> fx.GraphModule:
+    """End ``graph`` by copying each live output into its buffer input."""
     for buffer, ref in zip(buffers, live_refs):
         graph.call_function(aten.copy_.default, (buffer, values[ref]))
     graph.output(())
