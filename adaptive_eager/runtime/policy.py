@@ -45,6 +45,7 @@ PROFIT_MARGIN = 0.10  # a kernel must beat per-op by this fraction to be kept
 TIMING_SAMPLES = 8    # recent wall times kept per key and mode
 CHURN_VARIANTS = 3    # new keys of a structure with this many shapes: see KeyEntry.churning
 GENERIC_VARIANTS = 3  # shapes of one structure a generic kernel is derived from
+NOT_LOADED = "compile_error: the worker's artifact did not load"
 
 
 class KeyState(str, enum.Enum):
@@ -75,7 +76,6 @@ class KeyEntry:
     eager_samples: list = dataclasses.field(default_factory=list)   # per-op run wall times
     fused_samples: list = dataclasses.field(default_factory=list)   # fused run wall times
     judged: bool = False               # profitability decided
-    structure_variants: int = 1        # shape variants of its structure when it was new
     structure: Any = None              # its Structure
     generic: bool = False              # runs its structure's generic kernel
     generic_refused: bool = False      # that kernel does not fit its shape
@@ -114,7 +114,8 @@ class KeyEntry:
     @property
     def churning(self) -> bool:
         """A new key of a structure already seen in several shapes: shapes keep changing."""
-        return self.seen == 1 and self.structure_variants >= CHURN_VARIANTS
+        return self.seen == 1 and self.structure is not None \
+            and self.structure.variants >= CHURN_VARIANTS
 
     def add_sample(self, samples: list, seconds: float) -> None:
         samples.append(seconds)
@@ -359,7 +360,7 @@ class KeyTable:
         if structure is None:
             structure = self._structures[key] = Structure()
         structure.remember(entry.segment)
-        entry.structure, entry.structure_variants = structure, structure.variants
+        entry.structure = structure
         variants = structure.variants
         if variants > config.MAX_SHAPE_VARIANTS and entry.state is KeyState.COLD:
             entry.state = KeyState.MEGAMORPHIC
@@ -508,14 +509,11 @@ class KeyTable:
             self.mark_failed(entry, result.error)
             return
         path, size, checksum = result.artifact
-        _wait_for_preparation()
-        kernel = self.disk.load_kernel(path, current_compiler())
         persisted = not is_transfer_file(path)
-        if not persisted:                  # shipped through a temporary directory: done with
-            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        kernel = self._load_shipped(path)
         if kernel is None:
             counters.add("compile_failures")
-            self.mark_failed(entry, "compile_error: the worker's artifact did not load")
+            self.mark_failed(entry, NOT_LOADED)
             return
         entry.compile_seconds = result.seconds
         counters.add("compiles")
@@ -531,6 +529,15 @@ class KeyTable:
         self.flush()
         decide("compiled", key=entry.digest, ops=len(entry.segment.ops),
                seconds=result.seconds, compiler="worker")
+
+    def _load_shipped(self, path: str):
+        """The kernel the worker shipped at ``path`` (None if it does not load); a temporary
+        directory it came through is removed once loaded."""
+        _wait_for_preparation()
+        kernel = self.disk.load_kernel(path, current_compiler())
+        if is_transfer_file(path):
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        return kernel
 
     # ------------------------------------------------------------------ generic kernels
 
@@ -577,12 +584,9 @@ class KeyTable:
         if not result.ok:
             self._generic_failed(structure, result.error)
             return
-        path = result.artifact[0]
-        _wait_for_preparation()
-        kernel = self.disk.load_kernel(path, current_compiler())
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)   # always a transfer dir
+        kernel = self._load_shipped(result.artifact[0])      # always a transfer file
         if kernel is None:
-            self._generic_failed(structure, "compile_error: the worker's artifact did not load")
+            self._generic_failed(structure, NOT_LOADED)
             return
         self._generic_ready(structure, from_generic_wire(example, result.generic), kernel,
                             result.seconds)
