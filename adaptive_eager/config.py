@@ -93,6 +93,13 @@ def _directory(text: str) -> str:
     return path
 
 
+SMALL_MACHINE_CORES = 4   # at most this many cores: a compile competes with the program
+
+
+def small_machine() -> bool:
+    return (os.cpu_count() or 1) <= SMALL_MACHINE_CORES
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "adaptive_eager")
@@ -127,6 +134,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMPILE_TIMEOUT_S", _positive_int, lambda: 600,
             "A background compile taking longer than this (seconds) is abandoned: the worker "
             "is restarted and the segment runs per-op for good."),
+    Setting("COMPILE_DELAY_MS", _non_negative_int, lambda: 2000 if small_machine() else 0,
+            "A hot segment's background compile starts once the program has run that "
+            "segment for this long (milliseconds since its first sight; ae.sync(wait_compiles="
+            "...) starts it at once). Default 2000 on machines with at most 4 cores, where a "
+            "compile slows the program while it runs, so a program that ends sooner never "
+            "pays for kernels it could not use; 0 on larger ones."),
     Setting("PAUSE", _parse_bool, lambda: True,
             "1: where the runtime keeps finding nothing worth fusing (PAUSE_WINDOW segments "
             "in a row), stop intercepting, and re-probe after a growing interval at the next "

@@ -15,8 +15,8 @@ SORT_KEYS = {
     "ops": lambda r: -len(r.ops),
     "speedup": lambda r: -(speedup(r) or 0.0),
 }
-STATES = ("cold", "hot", "compiling", "ready", "failed", "unprofitable", "megamorphic",
-          "disabled", "unfusible")
+STATES = ("cold", "hot", "waiting", "compiling", "ready", "failed", "unprofitable",
+          "megamorphic", "disabled", "unfusible")
 
 _EXPLANATIONS = {
     "ready": "is fused: compiled in {compile_seconds:.2f} s, it ran fused {fused_runs} times "
@@ -24,6 +24,8 @@ _EXPLANATIONS = {
     "cold": "is not fused yet: seen {seen} times, fewer than the hot threshold, or its kernel "
             "was evicted or damaged and will be rebuilt when it turns hot",
     "hot": "would be fused but compilation is off (NEURON_ADAPTIVE_EAGER_COMPILE=0)",
+    "waiting": "is hot; its compile starts once the program has run it for "
+               "NEURON_ADAPTIVE_EAGER_COMPILE_DELAY_MS, and it runs per-op until then",
     "compiling": "is being compiled; it runs per-op until the kernel is ready",
     "failed": "is not fused: {reason}; it runs per-op for good (`adaptive-eager cache clear` "
               "forgets this)",

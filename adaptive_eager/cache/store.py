@@ -194,6 +194,8 @@ class Store:
     # ------------------------------------------------------------------ records
 
     def get(self, digest: str) -> SegmentRecord | None:
+        if self._conn is None and not os.path.exists(self.db_path):
+            return None        # an empty cache: no need to create (and check) the database
         rows = self._query(f"SELECT {', '.join(_NAMES)} FROM {TABLE} WHERE digest = ?",
                            (digest,))
         return SegmentRecord.from_row(rows[0]) if rows else None

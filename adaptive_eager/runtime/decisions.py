@@ -23,6 +23,7 @@ MAX_REMEMBERED = 4096       # (decision, key) pairs kept for rate limiting: ever
 # decision -> (level, the field that identifies "the same decision again")
 DECISIONS = {
     "hot": (logging.INFO, "key"),
+    "compile_waits": (logging.INFO, "key"),
     "compiling": (logging.INFO, "key"),
     "compiled": (logging.INFO, "key"),
     "loaded": (logging.INFO, "key"),

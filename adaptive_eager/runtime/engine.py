@@ -42,10 +42,11 @@ PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
 PAUSE_LONGEST_S = 64.0    # ...up to this
 # How much one segment counts toward PAUSE_WINDOW (Note [Pausing]): a new key 1; a key judged
 # never to fuse is stronger evidence; a new shape of a structure that keeps changing shapes
-# stronger still; a compiling key, with the way back at a control point, the strongest.
+# stronger still. A key compiling or waiting to, in a program that passes control points (the
+# way back), is the whole window: the loop's kernel is coming, and on a small machine each step
+# watched meanwhile costs about twice a plain step (keys not yet hot are found after the pause).
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
-WAITING_WEIGHT = 64
 
 _shared_lock = threading.Lock()
 _shared_table: KeyTable | None = None
@@ -347,8 +348,8 @@ class Runtime:
             control.pause_requested()
 
     def _weight(self, entry) -> int:
-        if entry.state is KeyState.COMPILING:
-            return WAITING_WEIGHT if self._control_points_pass() else 1
+        if entry.state in (KeyState.COMPILING, KeyState.WAITING):
+            return config.PAUSE_WINDOW if self._control_points_pass() else 1
         if entry.churning:
             return CHURN_WEIGHT
         return HOPELESS_WEIGHT if entry.hopeless else 1
@@ -359,12 +360,14 @@ class Runtime:
 
     def paused_for(self) -> float:
         """Start a pause (at a control point): flush, and return how long it lasts. While
-        kernels compile, until one of them lands (awaited_kernel_landed); else for the
-        back-off, which each fruitless pause doubles."""
+        kernels compile or wait to (Note [When to compile] in runtime/policy.py), until one
+        of them lands (awaited_kernel_landed); else for the back-off, which each fruitless
+        pause doubles."""
         self.flush()
         self.pause_requested, self.quiet_segments = False, 0
         counters.add("pauses")
-        if self.table.compiles_in_flight and self._control_points_pass():
+        if (self.table.compiles_in_flight or self.table.compiles_waiting) and \
+                self._control_points_pass():
             self.awaited_answers = self.table.compiles_answered
             return PAUSE_LONGEST_S
         self.awaited_answers = None

@@ -27,7 +27,7 @@ from adaptive_eager.cache.digest import stable_digest
 from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.cache.memory import KernelLRU
 from adaptive_eager.cache.store import SegmentRecord
-from adaptive_eager.config import config
+from adaptive_eager.config import config, small_machine
 from adaptive_eager.dispatch.signature import without_shapes
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
 from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file
@@ -51,6 +51,8 @@ NOT_LOADED = "compile_error: the worker's artifact did not load"
 class KeyState(str, enum.Enum):
     COLD = "cold"              # seen fewer than HOT_THRESHOLD times (or its kernel was evicted)
     HOT = "hot"                # hot, but compilation is off (COMPILE=0)
+    WAITING = "waiting"        # hot; its compile waits for COMPILE_DELAY_MS (Note [When to
+                               # compile]); runs per-op meanwhile
     COMPILING = "compiling"    # in the background worker; runs per-op meanwhile
     READY = "ready"            # has a kernel; the hot path replays it fused
     FAILED = "failed"          # compile, kernel or verification failed: per-op for good
@@ -80,6 +82,7 @@ class KeyEntry:
     generic: bool = False              # runs its structure's generic kernel
     generic_refused: bool = False      # that kernel does not fit its shape
     recalled: bool = False             # its stored record looked up (KeyTable._recall)
+    first_seen: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def eager_ms(self) -> float | None:
@@ -162,14 +165,12 @@ class ThreadShare:
     program's intra-op threads; while compiles are in flight the program keeps one core
     fewer, and gets it back when they are done."""
 
-    SMALL_MACHINE_CORES = 4
-
     def __init__(self) -> None:
         self._saved: int | None = None
 
     def compile_started(self) -> None:
         import torch
-        if self._saved is None and (os.cpu_count() or 1) <= self.SMALL_MACHINE_CORES:
+        if self._saved is None and small_machine():
             self._saved = torch.get_num_threads()
             torch.set_num_threads(max(1, self._saved - 1))
 
@@ -268,6 +269,8 @@ class KeyTable:
         self.worker: CompileWorker | None = None
         # request id -> KeyEntry, or (Structure, example segment) for a generic kernel
         self._compiling: dict[int, Any] = {}
+        self._waiting: dict[str, KeyEntry] = {}   # digest -> hot key waiting to compile
+        self._next_due = float("inf")              # when the first of them is due
         self.compiles_answered = 0        # worker results handled (kernels or failures)
         self._next_request = 0
         self._threads = ThreadShare()
@@ -319,7 +322,8 @@ class KeyTable:
         older = itertools.islice(self._entries.items(), len(self._entries) - 1)
         forgettable = list(itertools.islice(
             (key for key, entry in older
-             if entry.generic or entry.state not in (KeyState.READY, KeyState.COMPILING)),
+             if entry.generic or entry.state not in (KeyState.READY, KeyState.COMPILING,
+                                                     KeyState.WAITING)),
             excess))
         for key in forgettable:
             entry = self._entries.pop(key)
@@ -398,10 +402,56 @@ class KeyTable:
             entry.state, entry.reason = KeyState.HOT, "compile_disabled"
             counters.fallback("compile_disabled")
             decide("compile_disabled", key=entry.digest)
-        elif not self._load(entry) and not self._compile_generically(entry):
-            self._compile(entry)
+        elif not self._load(entry) and not self._wait_to_compile(entry):
+            self._start_compile(entry)
             return
         self._note(entry, state=entry.state.value, reason=entry.reason)
+
+    def _start_compile(self, entry: KeyEntry) -> None:
+        if self._compile_generically(entry):
+            self._note(entry, state=entry.state.value, reason=entry.reason)
+        else:
+            self._compile(entry)
+
+    # ------------------------------------------------------------------ when to compile
+
+    def _wait_to_compile(self, entry: KeyEntry) -> bool:
+        """Note [When to compile]: on a small machine a background compile slows the program
+        while it runs (one intra-op thread fewer, and the worker's CPU: steps ~2x slower
+        here for the 3-6 s until a first kernel lands). Like renting skis before buying, a
+        hot key's compile waits until the program has run that key for COMPILE_DELAY_MS: a
+        program that ends sooner never pays for kernels it could not have used, one that
+        runs on loses at most that long of fused time. Meanwhile the key runs per-op, and
+        the runtime pauses (Note [Pausing]) until the compile has started and landed.
+        Synchronous compiles (ASYNC=0: tests, debugging) never wait."""
+        due = entry.first_seen + config.COMPILE_DELAY_MS / 1e3
+        if not (config.ASYNC and self.disk is not None) or time.monotonic() >= due:
+            return False
+        entry.state = KeyState.WAITING
+        self._waiting[entry.digest] = entry
+        self._next_due = min(self._next_due, due)
+        decide("compile_waits", key=entry.digest, seconds=round(due - time.monotonic(), 3))
+        return True
+
+    @property
+    def compiles_waiting(self) -> int:
+        return len(self._waiting)
+
+    def start_due_compiles(self, everything: bool = False) -> None:
+        """Start the waiting compiles whose time has come (all of them: ``everything``).
+        Cheap when none is due: called at every segment end and control point."""
+        if not self._waiting or (not everything and time.monotonic() < self._next_due):
+            return
+        with self._lock:
+            delay, now = config.COMPILE_DELAY_MS / 1e3, time.monotonic()
+            due = [entry for entry in self._waiting.values()
+                   if everything or now >= entry.first_seen + delay]
+            for entry in due:
+                del self._waiting[entry.digest]
+                if entry.state is KeyState.WAITING:
+                    self._start_compile(entry)
+            self._next_due = min((entry.first_seen + delay for entry in self._waiting.values()),
+                                 default=float("inf"))
 
     # ------------------------------------------------------------------ kernels
 
@@ -470,7 +520,13 @@ class KeyTable:
         self.worker.submit(request)
 
     def poll_compiles(self, wait_s: float = 0.0) -> None:
-        """Swap in the kernels the worker finished (at a segment boundary: never mid-run)."""
+        """Start the waiting compiles that are due (all of them when ``wait_s``: the caller
+        wants kernels now) and swap in the kernels the worker finished (at a segment
+        boundary: never mid-run)."""
+        self.start_due_compiles(everything=wait_s > 0)
+        self._collect_compiles(wait_s)
+
+    def _collect_compiles(self, wait_s: float = 0.0) -> None:
         if self.worker is None or not self._compiling:
             return
         results = self.worker.wait(wait_s) if wait_s else self.worker.poll()
@@ -497,7 +553,7 @@ class KeyTable:
                 self.kernels.popitem()    # KernelLRU.popitem takes it out of the trie too
 
     def stop_idle_worker(self) -> None:
-        self.poll_compiles()
+        self._collect_compiles()
         with self._lock:
             if self.worker is not None and not self._compiling:
                 self.worker.close()

@@ -63,6 +63,55 @@ def test_segments_run_per_op_until_the_worker_delivers(background, compiler):
     assert os.path.exists(os.path.join(config.CACHE_DIR, "worker.log"))   # its stderr
 
 
+def test_a_hot_key_compiles_once_the_program_ran_it_for_the_delay(background):
+    """Note [When to compile]: no worker, no thread taken from the program, until then."""
+    x = torch.randn(64)
+    threads = torch.get_num_threads()
+    with config.patch(COMPILE_DELAY_MS=400), ae.enabled():
+        first_sight = time.monotonic()
+        early = [chain(x) for _ in range(4)]
+        assert _entry().state is KeyState.WAITING
+        assert engine.shared_table().worker is None and torch.get_num_threads() == threads
+        while time.monotonic() < first_sight + 0.45:
+            early.append(chain(x))
+        assert _entry().state is KeyState.COMPILING
+        ae.sync(wait_compiles=120)
+        late = [chain(x) for _ in range(3)]
+    assert ae.stats().compiles == 1 and ae.stats().fused_executions >= 2
+    for out in early + late:
+        assert_equal(out, chain(x))
+
+
+def test_sync_waiting_for_compiles_starts_the_waiting_ones_at_once(background):
+    x = torch.randn(64)
+    with config.patch(COMPILE_DELAY_MS=600_000), ae.enabled():
+        early = [chain(x) for _ in range(4)]    # kept: the same live outputs as later runs
+        assert _entry().state is KeyState.WAITING
+        ae.sync(wait_compiles=120)
+        assert _entry().state is KeyState.READY
+        late = [chain(x) for _ in range(4)]
+    assert ae.stats().fused_executions >= 2
+    for out in early + late:
+        assert_equal(out, chain(x))
+
+
+def test_synchronous_compiles_never_wait(compiler):
+    x = torch.randn(64)
+    with config.patch(ASYNC=False, COMPILE_DELAY_MS=600_000), ae.enabled():
+        for _ in range(3):
+            result = chain(x)
+        assert _entry().state is KeyState.READY
+    assert compiler.count == 1
+    assert_equal(result, chain(x))
+
+
+def test_the_compile_delay_defaults_by_machine_size(monkeypatch):
+    for cores, delay in ((2, 2000), (4, 2000), (8, 0), (None, 2000)):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        config.reload()
+        assert config.COMPILE_DELAY_MS == delay, cores
+
+
 def test_a_worker_crash_fails_that_segment_and_the_worker_restarts(background):
     x = torch.randn(64)
     with ae.enabled():

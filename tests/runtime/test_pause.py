@@ -155,6 +155,48 @@ def test_paused_block_is_plain_eager_and_keeps_the_kernels(compiler):
         assert_equal(out, chain())
 
 
+def test_a_training_loop_pauses_while_its_compile_waits_and_starts_it_paused(pausing):
+    """Note [When to compile]: the compile starts at a control point when due, with nothing
+    intercepted meanwhile; the runtime resumes when its kernel lands."""
+    model = _tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)            # lr 0: same values each step
+    x = torch.randn(1, 8)
+    expected = model(x).detach()
+
+    def train(steps):
+        outs = []
+        for _ in range(steps):
+            opt.zero_grad()
+            out = model(x)
+            out.sum().backward()
+            opt.step()
+            outs.append(out.detach())
+        return outs
+    table = engine.shared_table()
+    with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, ASYNC=True, COMPILE_TIMEOUT_S=120,
+                      COMPILE_DELAY_MS=500), ae.enabled():
+        started = time.monotonic()
+        outs = train(4)
+        assert ae.is_paused() and table.compiles_waiting and not table.compiles_in_flight
+        seen = ae.stats().ops_seen
+        while not table.compiles_in_flight and time.monotonic() < started + 30:
+            time.sleep(0.05)
+            outs += train(1)
+        assert table.compiles_in_flight and ae.is_paused()      # started at a control point
+        assert time.monotonic() >= started + 0.5
+        assert ae.stats().ops_seen == seen                       # nothing intercepted
+        deadline = time.monotonic() + 120
+        while ae.is_paused() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            outs += train(1)
+        assert not ae.is_paused()
+        outs += train(4)
+    stats = ae.stats()
+    assert stats.compiles >= 1 and stats.fused_executions >= 1
+    for out in outs:
+        assert_equal(out, expected)
+
+
 def test_a_training_loop_waits_paused_for_its_kernels_and_resumes_when_one_lands(pausing):
     model = _tiny_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)            # lr 0: same values each step
