@@ -4,10 +4,13 @@
 
 1. tiny tensors (≤ 4096 elements): a bare 8-op chain loop and an MLP at batch 1;
 2. a loop with a new sequence length every iteration (compile count must stay bounded);
-3. the first 20 training steps in a fresh process with an empty cache (no stall);
+3. the first 20 training steps in a fresh process with an empty cache (no stall), of a small
+   MLP (~3 ms steps: interception costs most) and a wide one (~50 ms steps: a compile
+   competing for the cores would cost most);
 4. bucketed sequence lengths that recur: one shape-generic kernel serves them all;
 5. large tensors: the pointwise chain and LayerNorm+GELU+residual at 8M elements.
-Ratios are adaptive time / eager time (lower is better; 1.10 = 10% slower than eager).
+Ratios are adaptive time / eager time (lower is better; 1.10 = 10% slower than eager). Every
+case starts with an empty kernel cache.
 """
 from __future__ import annotations
 
@@ -132,10 +135,11 @@ def recurring_lengths(rounds: int = 4) -> dict:
 FIRST_STEPS = textwrap.dedent("""
     import json, sys, time, torch
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
-                                torch.nn.LayerNorm(512), torch.nn.Linear(512, 256))
+    width, batch = int(sys.argv[2]), int(sys.argv[3])
+    model = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                                torch.nn.LayerNorm(2 * width), torch.nn.Linear(2 * width, width))
     opt = torch.optim.AdamW(model.parameters(), foreach=True)
-    data, target = torch.randn(64, 256), torch.randn(64, 256)
+    data, target = torch.randn(batch, width), torch.randn(batch, width)
     if sys.argv[1] == "adaptive":
         import adaptive_eager as ae
         ae.enable()
@@ -150,7 +154,7 @@ FIRST_STEPS = textwrap.dedent("""
 """)
 
 
-def first_training_steps(rounds: int = 3) -> dict:
+def first_training_steps(width: int, batch: int, rounds: int = 3) -> dict:
     """Medians of ``rounds`` pairs of fresh processes, each adaptive one with empty caches."""
     seconds = {"eager": [], "adaptive": []}
     for _ in range(rounds):
@@ -158,10 +162,11 @@ def first_training_steps(rounds: int = 3) -> dict:
             with tempfile.TemporaryDirectory(prefix="ae-fresh-") as cache:
                 env = {**os.environ, "NEURON_ADAPTIVE_EAGER_CACHE_DIR": cache,
                        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
-                out = subprocess.run([sys.executable, "-c", FIRST_STEPS, mode], env=env,
+                out = subprocess.run([sys.executable, "-c", FIRST_STEPS, mode, str(width),
+                                      str(batch)], env=env,
                                      capture_output=True, text=True, check=True).stdout
             seconds[mode].append(json.loads(out.strip().splitlines()[-1])["seconds"])
-    return {"case": "first 20 training steps, fresh process", "eager_s":
+    return {"case": f"first 20 training steps, MLP {width}, batch {batch}", "eager_s":
             statistics.median(seconds["eager"]), "adaptive_s": statistics.median(seconds["adaptive"])}
 
 
@@ -189,6 +194,28 @@ def large(name: str, make, numel: int) -> dict:
             "adaptive_s": statistics.median(adaptive)}
 
 
+@contextlib.contextmanager
+def _empty_cache():
+    """Each case starts from an empty kernel cache: decisions stored by an earlier run (a
+    kernel judged unprofitable) would change what this one measures."""
+    with tempfile.TemporaryDirectory(prefix="ae-bench-") as cache, config.patch(CACHE_DIR=cache):
+        ae.reset()
+        try:
+            yield
+        finally:
+            ae.reset()
+
+
+def cases(steps: int):
+    """Each case as a thunk, run in order."""
+    return (lambda: tiny_chain(steps), lambda: tiny_mlp(steps),
+            lambda: variable_length(steps // 10),
+            lambda: first_training_steps(256, 64), lambda: first_training_steps(1024, 256),
+            recurring_lengths,
+            lambda: large("pointwise chain", pointwise_chain, 8 << 20),
+            lambda: large("LayerNorm+GELU+residual", layernorm_gelu_residual, 8 << 20))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps")
@@ -196,19 +223,23 @@ def main() -> None:
     steps = 500 if options.quick else 2000
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} cores")
-    print(f"{'case':<42}{'eager s':>10}{'adaptive s':>12}{'ratio':>8}  notes")
-    for row in (tiny_chain(steps), tiny_mlp(steps), variable_length(steps // 10),
-                first_training_steps(), recurring_lengths(),
-                large("pointwise chain", pointwise_chain, 8 << 20),
-                large("LayerNorm+GELU+residual", layernorm_gelu_residual, 8 << 20)):
-        ratio = row["adaptive_s"] / row["eager_s"]
-        notes = f"compiles={row['compiles']}" if "compiles" in row else ""
-        if "generic" in row:
-            notes += f" (generic {row['generic']})"
-        if row["case"].startswith(("pointwise", "LayerNorm", "8 recurring")):
-            notes += f" speedup {1 / ratio:.2f}x"
-        print(f"{row['case']:<42}{row['eager_s']:>10.4f}{row['adaptive_s']:>12.4f}"
-              f"{ratio:>8.2f}  {notes}", flush=True)
+    print(f"{'case':<44}{'eager s':>10}{'adaptive s':>12}{'ratio':>8}  notes")
+    with tempfile.TemporaryDirectory(prefix="ae-bench-inductor-") as inductor:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)   # outlives each case's
+        for case in cases(steps):
+            with _empty_cache():
+                _print_row(case())
+
+
+def _print_row(row: dict) -> None:
+    ratio = row["adaptive_s"] / row["eager_s"]
+    notes = f"compiles={row['compiles']}" if "compiles" in row else ""
+    if "generic" in row:
+        notes += f" (generic {row['generic']})"
+    if row["case"].startswith(("pointwise", "LayerNorm", "8 recurring")):
+        notes += f" speedup {1 / ratio:.2f}x"
+    print(f"{row['case']:<44}{row['eager_s']:>10.4f}{row['adaptive_s']:>12.4f}"
+          f"{ratio:>8.2f}  {notes}", flush=True)
 
 
 if __name__ == "__main__":
