@@ -112,7 +112,10 @@ def test_a_full_disk_means_one_warning_and_background_compiles_go_on(caplog):
 
 
 def _records(directory):
-    with sqlite3.connect(os.path.join(directory, "segments.sqlite")) as conn:
+    path = os.path.join(directory, "segments.sqlite")
+    if not os.path.exists(path):         # nothing was ever written (lookups never create it)
+        return {}
+    with sqlite3.connect(path) as conn:
         return {row[0]: row[1] for row in conn.execute("SELECT digest, artifact FROM segments_v1")}
 
 
