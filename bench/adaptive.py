@@ -154,18 +154,20 @@ FIRST_STEPS = textwrap.dedent("""
 """)
 
 
-def first_training_steps(width: int, batch: int, rounds: int = 3) -> dict:
-    """Medians of ``rounds`` pairs of fresh processes, each adaptive one with empty caches."""
+def first_training_steps(width: int, batch: int, rounds: int = 5) -> dict:
+    """Medians of ``rounds`` pairs of fresh processes, each adaptive one with empty caches.
+    Which of a pair runs first alternates: here the first process of a pair ran slower."""
     seconds = {"eager": [], "adaptive": []}
-    for _ in range(rounds):
-        for mode in seconds:
+    for round_ in range(rounds):
+        for mode in sorted(seconds, reverse=round_ % 2 == 1):
             with tempfile.TemporaryDirectory(prefix="ae-fresh-") as cache:
                 env = {**os.environ, "NEURON_ADAPTIVE_EAGER_CACHE_DIR": cache,
                        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor")}
-                out = subprocess.run([sys.executable, "-c", FIRST_STEPS, mode, str(width),
-                                      str(batch)], env=env,
-                                     capture_output=True, text=True, check=True).stdout
-            seconds[mode].append(json.loads(out.strip().splitlines()[-1])["seconds"])
+                run = subprocess.run([sys.executable, "-c", FIRST_STEPS, mode, str(width),
+                                      str(batch)], env=env, capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"the {mode} process failed:\n{run.stderr}")
+            seconds[mode].append(json.loads(run.stdout.strip().splitlines()[-1])["seconds"])
     return {"case": f"first 20 training steps, MLP {width}, batch {batch}", "eager_s":
             statistics.median(seconds["eager"]), "adaptive_s": statistics.median(seconds["adaptive"])}
 

@@ -417,12 +417,13 @@ class KeyTable:
 
     def _wait_to_compile(self, entry: KeyEntry) -> bool:
         """Note [When to compile]: on a small machine a background compile slows the program
-        while it runs (one intra-op thread fewer, and the worker's CPU: steps ~2x slower
-        here for the 3-6 s until a first kernel lands). Like renting skis before buying, a
-        hot key's compile waits until the program has run that key for COMPILE_DELAY_MS: a
-        program that ends sooner never pays for kernels it could not have used, one that
-        runs on loses at most that long of fused time. Meanwhile the key runs per-op, and
-        the runtime pauses (Note [Pausing]) until the compile has started and landed.
+        while it runs (one intra-op thread fewer, and the worker's CPU: training steps ~2x
+        slower here for the 3-25 s until a first kernel lands). Like renting skis before
+        buying, a hot key's compile waits until the program has run that key for
+        COMPILE_DELAY_MS: a program that ends sooner never pays for kernels it could not have
+        used, one that runs on loses at most that long of fused time. Meanwhile the key runs
+        per-op, and the runtime pauses (Note [Pausing]) until the compile has started and
+        landed.
         Synchronous compiles (ASYNC=0: tests, debugging) never wait."""
         due = entry.first_seen + config.COMPILE_DELAY_MS / 1e3
         if not (config.ASYNC and self.disk is not None) or time.monotonic() >= due:
