@@ -155,11 +155,10 @@ def test_paused_block_is_plain_eager_and_keeps_the_kernels(compiler):
         assert_equal(out, chain())
 
 
-def test_a_training_loop_pauses_while_its_compile_waits_and_starts_it_paused(pausing):
-    """Note [When to compile]: the compile starts at a control point when due, with nothing
-    intercepted meanwhile; the runtime resumes when its kernel lands."""
+def _unchanging_training_loop():
+    """``train(steps)`` -> each step's output, and the output every step must give (lr 0)."""
     model = _tiny_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)            # lr 0: same values each step
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.randn(1, 8)
     expected = model(x).detach()
 
@@ -172,6 +171,13 @@ def test_a_training_loop_pauses_while_its_compile_waits_and_starts_it_paused(pau
             opt.step()
             outs.append(out.detach())
         return outs
+    return train, expected
+
+
+def test_a_training_loop_pauses_while_its_compile_waits_and_starts_it_paused(pausing):
+    """Note [When to compile]: the compile starts at a control point when due, with nothing
+    intercepted meanwhile; the runtime resumes when its kernel lands."""
+    train, expected = _unchanging_training_loop()
     table = engine.shared_table()
     with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, ASYNC=True, COMPILE_TIMEOUT_S=120,
                       COMPILE_DELAY_MS=500), ae.enabled():
@@ -198,20 +204,7 @@ def test_a_training_loop_pauses_while_its_compile_waits_and_starts_it_paused(pau
 
 
 def test_a_training_loop_waits_paused_for_its_kernels_and_resumes_when_one_lands(pausing):
-    model = _tiny_mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)            # lr 0: same values each step
-    x = torch.randn(1, 8)
-    expected = model(x).detach()
-
-    def train(steps):
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad()
-            out = model(x)
-            out.sum().backward()
-            opt.step()
-            losses.append(out.detach())
-        return losses
+    train, expected = _unchanging_training_loop()
     with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, ASYNC=True, COMPILE_TIMEOUT_S=120), \
             ae.enabled():
         outs = train(8)                   # keys turn hot at step 2, then only wait: pause
