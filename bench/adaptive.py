@@ -90,13 +90,10 @@ def variable_length(steps: int) -> dict:
     timed(adaptive=False)                         # the allocator meets every shape once
     eager, adaptive, compiles = [], [], 0
     for _ in range(3):                            # a fresh runtime and empty cache each round
-        with tempfile.TemporaryDirectory(prefix="ae-varlen-") as cache, \
-                config.patch(CACHE_DIR=cache):
-            ae.reset()
+        with _empty_cache():
             eager.append(timed(adaptive=False))
             adaptive.append(timed(adaptive=True))
             compiles += ae.stats().compiles
-            ae.reset()
     return {"case": "new sequence length every step", "eager_s": statistics.median(eager),
             "adaptive_s": statistics.median(adaptive), "compiles": compiles}
 

@@ -246,6 +246,11 @@ def _wait_for_preparation() -> None:
         _preparing.join()
 
 
+def _compile_due(entry: KeyEntry) -> float:
+    """When ``entry``'s compile may start (Note [When to compile])."""
+    return entry.first_seen + config.COMPILE_DELAY_MS / 1e3
+
+
 def structure_of(segment: Segment) -> tuple:
     """The key without shapes and strides (see Note [Megamorphic])."""
     return (segment.context, tuple((op.func, without_shapes(op.args), without_shapes(op.kwargs))
@@ -425,7 +430,7 @@ class KeyTable:
         per-op, and the runtime pauses (Note [Pausing]) until the compile has started and
         landed.
         Synchronous compiles (ASYNC=0: tests, debugging) never wait."""
-        due = entry.first_seen + config.COMPILE_DELAY_MS / 1e3
+        due = _compile_due(entry)
         if not (config.ASYNC and self.disk is not None) or time.monotonic() >= due:
             return False
         entry.state = KeyState.WAITING
@@ -444,14 +449,14 @@ class KeyTable:
         if not self._waiting or (not everything and time.monotonic() < self._next_due):
             return
         with self._lock:
-            delay, now = config.COMPILE_DELAY_MS / 1e3, time.monotonic()
+            now = time.monotonic()
             due = [entry for entry in self._waiting.values()
-                   if everything or now >= entry.first_seen + delay]
+                   if everything or now >= _compile_due(entry)]
             for entry in due:
                 del self._waiting[entry.digest]
                 if entry.state is KeyState.WAITING:
                     self._start_compile(entry)
-            self._next_due = min((entry.first_seen + delay for entry in self._waiting.values()),
+            self._next_due = min(map(_compile_due, self._waiting.values()),
                                  default=float("inf"))
 
     # ------------------------------------------------------------------ kernels
