@@ -25,6 +25,9 @@ FLUSH_INTERVAL_S = 5.0      # counters reach the disk at most this late (and at 
 TRIM_EVERY_FLUSHES = 20     # how often the record count is checked against CACHE_MAX_ENTRIES
 FORGOTTEN_BATCH = 64        # forgotten keys with unwritten changes that force a flush
 _TIMINGS_AND_COUNTERS = {"seen", "fused_runs", "eager_ms", "fused_ms"}
+# A verdict each process derives again from its own shape counts and never takes from disk:
+# on its own it is no reason to write a row (a loop of ever-new shapes makes one per shape).
+_REDERIVED_STATES = {"megamorphic"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -60,6 +63,15 @@ def _guarded(default=None):
                 return default
         return guarded
     return wrap
+
+
+def _decided(fields: dict) -> bool:
+    """Do ``fields`` carry a decision worth keeping (not only timings, counters or a
+    re-derived verdict)?"""
+    decisions = set(fields) - _TIMINGS_AND_COUNTERS
+    if fields.get("state") in _REDERIVED_STATES:
+        decisions -= {"state", "reason"}
+    return bool(decisions)
 
 
 class DiskCache:
@@ -173,7 +185,7 @@ class DiskCache:
         """A record is written once a key is seen twice or something was decided about it; a
         key seen once (ever-new shapes) costs no rendering and no row."""
         return bool(self._bases.get(digest)) or fields["seen"] >= 2 or fields["fused_runs"] \
-            or not set(fields) <= _TIMINGS_AND_COUNTERS
+            or _decided(fields)
 
     def maybe_flush(self) -> None:
         if time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:
