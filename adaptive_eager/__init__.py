@@ -9,17 +9,21 @@ below loads on first use.
 """
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 __all__ = ["enable", "disable", "enabled", "paused", "is_enabled", "is_paused", "sync", "stats",
            "reset", "Stats", "config", "ConfigError"]
 
 
 def __getattr__(name: str):
+    # importlib, not ``from adaptive_eager import ...``: that form asks this very function for
+    # the name first, and recursed without end when ``config`` was the first thing imported.
     if name in ("config", "ConfigError"):
-        from adaptive_eager import config as config_module
-        return getattr(config_module, name)
+        config_module = importlib.import_module("adaptive_eager.config")
+        return config_module if name == "config" else config_module.ConfigError
     if name in __all__:
-        from adaptive_eager import api
-        from adaptive_eager.runtime.stats import Stats
-        return Stats if name == "Stats" else getattr(api, name)
+        api = importlib.import_module("adaptive_eager.api")
+        stats = importlib.import_module("adaptive_eager.runtime.stats")
+        return stats.Stats if name == "Stats" else getattr(api, name)
     raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")

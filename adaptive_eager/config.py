@@ -254,3 +254,9 @@ class _Config:
 
 
 config = _Config()
+
+
+def __getattr__(name: str) -> Any:
+    # ``adaptive_eager.config`` is this module once anything has imported it, so the module
+    # answers like the settings object: ``ae.config.HOT_THRESHOLD``, ``ae.config.patch(...)``.
+    return getattr(config, name)

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 
 import adaptive_eager as ae
@@ -96,3 +100,20 @@ def test_every_setting_has_help_and_a_documented_variable():
             "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD", "NEURON_ADAPTIVE_EAGER_MAX_SEGMENT_OPS",
             "NEURON_ADAPTIVE_EAGER_CACHE_DIR", "NEURON_ADAPTIVE_EAGER_LOG"} <= names
     assert all(setting.help for setting in SETTINGS)
+
+
+@pytest.mark.parametrize("first_import", [
+    "from adaptive_eager import config",
+    "import adaptive_eager as ae; config = ae.config",
+    "import adaptive_eager.config; import adaptive_eager as ae; config = ae.config",
+])
+def test_the_package_config_reads_settings_however_it_was_first_imported(first_import):
+    # A fresh interpreter: which import comes first decides what the package attribute is.
+    program = (f"{first_import}\n"
+               "with config.patch(HOT_THRESHOLD=7):\n"
+               "    print(config.HOT_THRESHOLD, config.ConfigError.__name__)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEURON_ADAPTIVE_EAGER")}
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["7", "ConfigError"]
