@@ -124,7 +124,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMPILE", _parse_bool, lambda: True,
             "0 = record and key segments but never compile: the debugging switch. Results are "
             "then bitwise identical to eager."),
-    Setting("HOT_THRESHOLD", _positive_int, lambda: 3,
+    Setting("HOT_THRESHOLD", _positive_int, lambda: 2,
             "How many times a segment key must be seen before it is compiled."),
     Setting("MAX_SEGMENT_OPS", _positive_int, lambda: 64,
             "Longest segment, in aten ops; longer runs are cut."),
