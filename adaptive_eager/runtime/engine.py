@@ -42,7 +42,10 @@ PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
 PAUSE_LONGEST_S = 64.0    # ...up to this
 # How much one segment counts toward PAUSE_WINDOW (Note [Pausing]): a new key 1; a key judged
 # never to fuse is stronger evidence; a new shape of a structure that keeps changing shapes
-# stronger still. A key compiling or waiting to, in a program that passes control points (the
+# stronger still, and twice that when it is too cheap to compile even if its shape came back
+# (a loop of ever-new small shapes pauses after ~7 steps, not ~11: each watched step costs about
+# 6x a plain one there; large ones keep the plain weight, so bucketed lengths that recur reach
+# their generic kernel first). A key compiling or waiting to, in a program that passes control points (the
 # way back), is the whole window: the loop's kernel is coming, and on a small machine each step
 # watched meanwhile costs about twice a plain step (keys not yet hot are found after the pause).
 HOPELESS_WEIGHT = 8
@@ -351,7 +354,7 @@ class Runtime:
         if entry.state in (KeyState.COMPILING, KeyState.WAITING):
             return config.PAUSE_WINDOW if self._control_points_pass() else 1
         if entry.churning:
-            return CHURN_WEIGHT
+            return 2 * CHURN_WEIGHT if entry.too_cheap else CHURN_WEIGHT
         return HOPELESS_WEIGHT if entry.hopeless else 1
 
     def _control_points_pass(self) -> bool:

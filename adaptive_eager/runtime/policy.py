@@ -105,8 +105,12 @@ class KeyEntry:
             return True
         # A key seen once is no evidence (dynamic shapes make new keys all the time).
         return self.state is KeyState.COLD and self.seen >= 2 \
-            and self.segment.compute_ops >= MIN_COMPUTE_OPS \
-            and self.compute_seconds * 1e6 >= config.MIN_SEGMENT_US
+            and self.segment.compute_ops >= MIN_COMPUTE_OPS and not self.too_cheap
+
+    @property
+    def too_cheap(self) -> bool:
+        """Do its ops compute for less than MIN_SEGMENT_US per run (the least run so far)?"""
+        return self.compute_seconds * 1e6 < config.MIN_SEGMENT_US
 
     @property
     def hopeless(self) -> bool:
@@ -153,7 +157,7 @@ class Structure:
 def unfusible_reason(segment: Segment, entry: KeyEntry) -> str | None:
     if segment.compute_ops < MIN_COMPUTE_OPS:
         return "too_few_ops"
-    if entry.compute_seconds * 1e6 < config.MIN_SEGMENT_US:
+    if entry.too_cheap:
         return "too_cheap"                 # see NEURON_ADAPTIVE_EAGER_MIN_SEGMENT_US
     if any(_overlaps_itself(segment.out_meta(ref)) for ref in segment.live_refs):
         return "overlapping_output"        # a kernel cannot write one memory cell twice

@@ -134,6 +134,22 @@ def test_ever_new_shapes_pause_within_a_few_steps(pausing):
     assert ae.stats().compiles == 0
 
 
+@pytest.mark.parametrize("min_segment_us, pauses_at_length", [(1000, 4), (0, 6)])
+def test_ever_new_shapes_too_cheap_to_compile_pause_sooner(pausing, min_segment_us,
+                                                            pauses_at_length):
+    # Lengths 1 and 2 count 1 each; from the third shape on each new one counts 32, or 64
+    # when its ops compute for less than MIN_SEGMENT_US: the window of 128 fills at 4, or 6.
+    block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+    with config.patch(PAUSE_WINDOW=128, MIN_SEGMENT_US=min_segment_us), torch.no_grad(), \
+            ae.enabled():
+        for length in range(1, 40):
+            block(torch.randn(2, length, 8)).sum().item()
+            if ae.is_paused():
+                break
+    assert length == pauses_at_length
+    assert ae.stats().compiles == 0
+
+
 def test_paused_block_is_plain_eager_and_keeps_the_kernels(compiler):
     x = torch.randn(64)
 
