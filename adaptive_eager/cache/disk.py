@@ -147,6 +147,9 @@ class DiskCache:
         is first written (most keys of dynamic code are seen once and never are)."""
         self._described[digest] = (describe, compiler_name)
 
+    def knows(self, digest: str) -> bool:
+        return digest in self._described
+
     def _base(self, digest: str) -> dict:
         """What every write of ``digest``'s record carries."""
         base = self._bases.get(digest)

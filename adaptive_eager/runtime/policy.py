@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import OrderedDict
+import functools
 import gc
 import itertools
 import os
@@ -64,7 +65,6 @@ class KeyState(str, enum.Enum):
 
 @dataclasses.dataclass(eq=False)
 class KeyEntry:
-    digest: str
     segment: Segment           # the first recording of this key
     state: KeyState = KeyState.COLD
     seen: int = 0
@@ -83,6 +83,13 @@ class KeyEntry:
     generic_refused: bool = False      # that kernel does not fit its shape
     recalled: bool = False             # its stored record looked up (KeyTable._recall)
     first_seen: float = dataclasses.field(default_factory=time.monotonic)
+    seen_noted: int = 0                # of ``seen``, how many the disk cache was told of
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Its stable name (~0.1 ms to compute): only once a record, decision or lookup needs
+        it. Most keys of ever-new shapes are seen once and never do."""
+        return stable_digest(self.segment.key)
 
     @property
     def eager_ms(self) -> float | None:
@@ -310,13 +317,15 @@ class KeyTable:
                 self._recall(entry)
             entry.compute_seconds = min(entry.compute_seconds, compute_seconds)
             entry.add_sample(entry.eager_samples, seconds)
-            self._note(entry, seen=1, eager_ms=entry.eager_ms)
             threshold = 1 if entry.artifact_path else config.HOT_THRESHOLD
             if entry.structure.kernel is not None and \
                     entry.state in (KeyState.COLD, KeyState.MEGAMORPHIC):
                 self._serve_generically(entry)
             elif entry.state is KeyState.COLD and entry.seen >= threshold:
                 self._turn_hot(entry)
+            if entry.seen >= 2 or entry.state is not KeyState.COLD:   # a record is due
+                self._note(entry, seen=entry.seen - entry.seen_noted, eager_ms=entry.eager_ms)
+                entry.seen_noted = entry.seen
         self.maybe_flush()
         return entry
 
@@ -345,10 +354,7 @@ class KeyTable:
 
     def _new_entry(self, segment: Segment) -> KeyEntry:
         counters.add("keys_seen")
-        entry = KeyEntry(stable_digest(segment.key), segment)
-        if self.disk is not None:
-            self.disk.register(entry.digest, lambda: (op_lines(segment), key_parts(segment)),
-                               current_compiler().name)
+        entry = KeyEntry(segment)
         if self._warm:
             self._recall(entry)
         self._count_shape_variant(entry)
@@ -771,6 +777,10 @@ class KeyTable:
 
     def _note(self, entry: KeyEntry, **fields) -> None:
         if self.disk is not None:
+            if not self.disk.knows(entry.digest):
+                segment = entry.segment
+                self.disk.register(entry.digest, lambda: (op_lines(segment), key_parts(segment)),
+                                   current_compiler().name)
             self.disk.note(entry.digest, **fields)
 
     def maybe_flush(self) -> None:

@@ -7,7 +7,7 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager.cache.store import Store
 from adaptive_eager.config import config
-from adaptive_eager.runtime import engine
+from adaptive_eager.runtime import engine, policy
 from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
 from adaptive_eager.runtime.policy import KeyState
 from helpers import assert_equal
@@ -130,3 +130,13 @@ def test_a_new_sequence_length_every_step_compiles_nothing(compiler, lengths):
     assert compiler.count == 0 and stats.fused_executions == 0
     # Every key was seen once: none is worth a row, not even the megamorphic ones
     assert stats.fallbacks["megamorphic"] > 0 and Store(config.CACHE_DIR).records() == []
+
+
+def test_keys_seen_once_are_never_named(compiler, monkeypatch):
+    # A digest costs ~0.1 ms; ever-new shapes make keys seen once that need no name.
+    named = []
+    monkeypatch.setattr(policy, "stable_digest", lambda key: named.append(key) or "0" * 16)
+    with config.patch(MAX_SHAPE_VARIANTS=1000), ae.enabled():
+        for length in range(5, 25):
+            chain(torch.randn(length)).sum().item()
+    assert ae.stats().keys_seen >= 20 and named == []
