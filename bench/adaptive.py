@@ -32,6 +32,11 @@ from adaptive_eager.config import config
 from adaptive_eager.benchmarks.workloads import layernorm_gelu_residual, pointwise_chain
 
 
+# Rounds of the cases whose runs take tens of milliseconds, each the same work in both modes,
+# in alternating order: single runs here vary by +-10%, so medians of few would decide a ratio.
+ROUNDS = 9
+
+
 def _timed(fn, steps: int) -> float:
     started = time.perf_counter()
     for _ in range(steps):
@@ -88,12 +93,13 @@ def variable_length(steps: int) -> dict:
         with ae.enabled() if adaptive else contextlib.nullcontext():
             return _timed(step, steps)
     timed(adaptive=False)                         # the allocator meets every shape once
-    eager, adaptive, compiles = [], [], 0
-    for _ in range(3):                            # a fresh runtime and empty cache each round
+    seconds, compiles = {False: [], True: []}, 0
+    for round_ in range(ROUNDS):                  # a fresh runtime and empty cache each round
         with _empty_cache():
-            eager.append(timed(adaptive=False))
-            adaptive.append(timed(adaptive=True))
+            for adaptive in (False, True) if round_ % 2 == 0 else (True, False):
+                seconds[adaptive].append(timed(adaptive))
             compiles += ae.stats().compiles
+    eager, adaptive = seconds[False], seconds[True]
     return {"case": "new sequence length every step", "eager_s": statistics.median(eager),
             "adaptive_s": statistics.median(adaptive), "compiles": compiles}
 
@@ -151,7 +157,7 @@ FIRST_STEPS = textwrap.dedent("""
 """)
 
 
-def first_training_steps(width: int, batch: int, rounds: int = 5) -> dict:
+def first_training_steps(width: int, batch: int, rounds: int = ROUNDS) -> dict:
     """Medians of ``rounds`` pairs of fresh processes, each adaptive one with empty caches.
     Which of a pair runs first alternates: here the first process of a pair ran slower."""
     seconds = {"eager": [], "adaptive": []}
