@@ -45,9 +45,10 @@ PAUSE_LONGEST_S = 64.0    # ...up to this
 # stronger still, and twice that when it is too cheap to compile even if its shape came back
 # (a loop of ever-new small shapes pauses after ~7 steps, not ~11: each watched step costs about
 # 6x a plain one there; large ones keep the plain weight, so bucketed lengths that recur reach
-# their generic kernel first). A key compiling or waiting to, in a program that passes control points (the
-# way back), is the whole window: the loop's kernel is coming, and on a small machine each step
-# watched meanwhile costs about twice a plain step (keys not yet hot are found after the pause).
+# their generic kernel first). A key compiling or waiting to, in a program that passes control
+# points (the way back), is the whole window: the loop's kernel is coming, and on a small
+# machine each step watched meanwhile costs about twice a plain step (keys not yet hot are
+# found after the pause).
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
 
