@@ -92,6 +92,11 @@ class KeyEntry:
         return stable_digest(self.segment.key)
 
     @property
+    def named(self) -> bool:
+        """Was its digest computed (so the disk cache may hold something of it)?"""
+        return "digest" in vars(self)          # where functools.cached_property keeps it
+
+    @property
     def eager_ms(self) -> float | None:
         """Median wall time of a per-op run (under the runtime), recent runs."""
         return statistics.median(self.eager_samples) * 1e3 if self.eager_samples else None
@@ -348,7 +353,7 @@ class KeyTable:
             variant = self.kernels.get(entry.digest) if entry.generic else None
             if variant is not None:
                 self._drop_kernel(variant)
-            if self.disk is not None:
+            if self.disk is not None and entry.named:    # else the disk never heard of it
                 self.disk.forget(entry.digest)
         counters.add("keys_forgotten", len(forgettable))
 
