@@ -51,6 +51,7 @@ PAUSE_LONGEST_S = 64.0    # ...up to this
 # found after the pause).
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
+CHEAP_CHURN_WEIGHT = 2 * CHURN_WEIGHT
 
 _shared_lock = threading.Lock()
 _shared_table: KeyTable | None = None
@@ -355,7 +356,7 @@ class Runtime:
         if entry.state in (KeyState.COMPILING, KeyState.WAITING):
             return config.PAUSE_WINDOW if self._control_points_pass() else 1
         if entry.churning:
-            return 2 * CHURN_WEIGHT if entry.too_cheap else CHURN_WEIGHT
+            return CHEAP_CHURN_WEIGHT if entry.too_cheap else CHURN_WEIGHT
         return HOPELESS_WEIGHT if entry.hopeless else 1
 
     def _control_points_pass(self) -> bool:
