@@ -149,6 +149,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MIN_SEGMENT_US", _non_negative_int, lambda: 100,
             "Segments whose ops compute for less than this (microseconds per run, measured "
             "per-op) are never compiled: fusion could not repay its own overhead."),
+    Setting("MIN_US_PER_OP", _non_negative_int, lambda: 20,
+            "Also never compiled: segments whose ops compute for less than MIN_SEGMENT_US plus "
+            "this much per op (microseconds). The hot path costs more than this per op, and "
+            "per-op timings under the runtime include its dispatch, so such a kernel could "
+            "never beat plain eager."),
     Setting("KEEP_UNPROFITABLE", _parse_bool, lambda: False,
             "1: keep every compiled kernel even when its runs are no faster than per-op "
             "(normally such keys go back to per-op for good, as 'unprofitable')."),

@@ -48,7 +48,8 @@ def main() -> None:
         rows.append(("runtime, compile off (cold path)", _per_step_us(step, options.steps)))
     ae.reset()
     # The hot path's cost itself: force the tiny segment to compile (the policy would not).
-    with config.patch(MIN_SEGMENT_US=0, KEEP_UNPROFITABLE=True, ASYNC=False), ae.enabled():
+    with config.patch(MIN_SEGMENT_US=0, MIN_US_PER_OP=0, KEEP_UNPROFITABLE=True, ASYNC=False), \
+            ae.enabled():
         for _ in range(8):
             step()
         ae.sync()

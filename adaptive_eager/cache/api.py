@@ -37,8 +37,9 @@ _EXPLANATIONS = {
 _REASON_TEXT = {
     "too_few_ops": "it has fewer than two compute ops, so fusion has nothing to save",
     "overlapping_output": "an output overlaps itself in memory, which a kernel cannot write",
-    "too_cheap": "its ops compute for less than NEURON_ADAPTIVE_EAGER_MIN_SEGMENT_US per run, "
-                 "too little for fusion to repay its overhead",
+    "too_cheap": "its ops compute for less than NEURON_ADAPTIVE_EAGER_MIN_SEGMENT_US plus "
+                 "NEURON_ADAPTIVE_EAGER_MIN_US_PER_OP per op, too little for fusion to repay "
+                 "its overhead",
 }
 
 

@@ -121,8 +121,12 @@ class KeyEntry:
 
     @property
     def too_cheap(self) -> bool:
-        """Do its ops compute for less than MIN_SEGMENT_US per run (the least run so far)?"""
-        return self.compute_seconds * 1e6 < config.MIN_SEGMENT_US
+        """Do its ops compute for less than MIN_SEGMENT_US + MIN_US_PER_OP per op (the least
+        run so far)? Per-op timings include the call through the dispatch mode, and the hot
+        path costs ~40 us per op (bench/overhead.py): a 7-op block of ever-new small shapes
+        measured ~170 us here, above MIN_SEGMENT_US, yet no kernel of it could beat eager."""
+        limit_us = config.MIN_SEGMENT_US + config.MIN_US_PER_OP * len(self.segment.ops)
+        return self.compute_seconds * 1e6 < limit_us
 
     @property
     def hopeless(self) -> bool:

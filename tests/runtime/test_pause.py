@@ -134,14 +134,16 @@ def test_ever_new_shapes_pause_within_a_few_steps(pausing):
     assert ae.stats().compiles == 0
 
 
-@pytest.mark.parametrize("min_segment_us, pauses_at_length", [(1000, 4), (0, 6)])
+@pytest.mark.parametrize("min_segment_us, min_us_per_op, pauses_at_length",
+                         [(1000, 0, 4), (0, 1000, 4), (0, 0, 10)])
 def test_ever_new_shapes_too_cheap_to_compile_pause_sooner(pausing, min_segment_us,
-                                                            pauses_at_length):
-    # Lengths 1 and 2 count 1 each; from the third shape on each new one counts 32, or 64
-    # when its ops compute for less than MIN_SEGMENT_US: the window of 128 fills at 4, or 6.
+                                                            min_us_per_op, pauses_at_length):
+    # Lengths 1 and 2 count 1 each; from the third shape on each new one counts 32, or 128
+    # when its ops compute for less than MIN_SEGMENT_US + MIN_US_PER_OP per op (7 ops here):
+    # the window of 256 fills at 4, or 10.
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
-    with config.patch(PAUSE_WINDOW=128, MIN_SEGMENT_US=min_segment_us), torch.no_grad(), \
-            ae.enabled():
+    with config.patch(PAUSE_WINDOW=256, MIN_SEGMENT_US=min_segment_us,
+                      MIN_US_PER_OP=min_us_per_op), torch.no_grad(), ae.enabled():
         for length in range(1, 40):
             block(torch.randn(2, length, 8)).sum().item()
             if ae.is_paused():
@@ -195,8 +197,8 @@ def test_a_training_loop_pauses_while_its_compile_waits_and_starts_it_paused(pau
     intercepted meanwhile; the runtime resumes when its kernel lands."""
     train, expected = _unchanging_training_loop()
     table = engine.shared_table()
-    with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, ASYNC=True, COMPILE_TIMEOUT_S=120,
-                      COMPILE_DELAY_MS=500), ae.enabled():
+    with config.patch(MIN_SEGMENT_US=0, MIN_US_PER_OP=0, HOT_THRESHOLD=2, ASYNC=True,
+                      COMPILE_TIMEOUT_S=120, COMPILE_DELAY_MS=500), ae.enabled():
         started = time.monotonic()
         outs = train(4)
         assert ae.is_paused() and table.compiles_waiting and not table.compiles_in_flight
@@ -221,8 +223,8 @@ def test_a_training_loop_pauses_while_its_compile_waits_and_starts_it_paused(pau
 
 def test_a_training_loop_waits_paused_for_its_kernels_and_resumes_when_one_lands(pausing):
     train, expected = _unchanging_training_loop()
-    with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, ASYNC=True, COMPILE_TIMEOUT_S=120), \
-            ae.enabled():
+    with config.patch(MIN_SEGMENT_US=0, MIN_US_PER_OP=0, HOT_THRESHOLD=2, ASYNC=True,
+                      COMPILE_TIMEOUT_S=120), ae.enabled():
         outs = train(8)                   # keys turn hot at step 2, then only wait: pause
         assert ae.is_paused() and engine.shared_table().compiles_in_flight
         seen = ae.stats().ops_seen
