@@ -132,11 +132,12 @@ def without_input_identity(encoded: Any) -> Any:
 def without_shapes(encoded: Any) -> Any:
     """``encoded`` with tensor shapes and strides reduced to ranks, and integer lists (the
     sizes of view, reshape, expand...) to their lengths: the call's structure."""
-    if isinstance(encoded, TensorArg):
+    kind = type(encoded)           # not isinstance: TensorArg and ScalarArg are tuples too
+    if kind is TensorArg:
         return (encoded.ref, len(encoded.shape), encoded.dtype, encoded.device)
-    if isinstance(encoded, tuple) and not isinstance(encoded, ScalarArg):
-        if encoded and all(isinstance(item, ScalarArg) and item.kind is int
-                           for item in encoded):
+    if kind is tuple:
+        if encoded and type(encoded[0]) is ScalarArg and all(
+                type(item) is ScalarArg and item.kind is int for item in encoded):
             return ("ints", len(encoded))
         return tuple([without_shapes(item) for item in encoded])
     return encoded

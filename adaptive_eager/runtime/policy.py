@@ -174,7 +174,7 @@ def unfusible_reason(segment: Segment, entry: KeyEntry) -> str | None:
     if segment.compute_ops < MIN_COMPUTE_OPS:
         return "too_few_ops"
     if entry.too_cheap:
-        return "too_cheap"                 # see NEURON_ADAPTIVE_EAGER_MIN_SEGMENT_US
+        return "too_cheap"                 # see MIN_SEGMENT_US and MIN_US_PER_OP (config)
     if any(_overlaps_itself(segment.out_meta(ref)) for ref in segment.live_refs):
         return "overlapping_output"        # a kernel cannot write one memory cell twice
     return None
