@@ -42,17 +42,18 @@ PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
 PAUSE_LONGEST_S = 64.0    # ...up to this
 # How much one segment counts toward PAUSE_WINDOW (Note [Pausing]): a new key 1; a key judged
 # never to fuse is stronger evidence; a new shape of a structure that keeps changing shapes
-# stronger still, and four times that when it is too cheap to compile even if its shape came
-# back (a loop of ever-new small shapes pauses after 4 steps, not ~10: each watched step costs
-# about 5x a plain one there; two such keys in a row fill the window, so a loop that also has a
-# promising segment, which empties it, goes on; large ones keep the plain weight, so bucketed
-# lengths that recur reach their generic kernel first). A key compiling or waiting to, in a program that passes control
+# stronger still, and twice that when it is too cheap to compile even if its shape came back
+# (a loop of ever-new small shapes pauses after 6 steps, not ~10: each watched step costs about
+# 5x a plain one there; large ones keep the plain weight, so bucketed lengths that recur reach
+# their generic kernel first). Not more: a loop that runs a kernel empties the window each
+# iteration, and beside it a few small dynamic segments must not fill it (pausing would stop
+# the kernel too). A key compiling or waiting to, in a program that passes control
 # points (the way back), is the whole window: the loop's kernel is coming, and on a small
 # machine each step watched meanwhile costs about twice a plain step (keys not yet hot are
 # found after the pause).
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
-CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT
+CHEAP_CHURN_WEIGHT = 2 * CHURN_WEIGHT
 
 _shared_lock = threading.Lock()
 _shared_table: KeyTable | None = None
