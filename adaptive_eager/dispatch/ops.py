@@ -65,8 +65,12 @@ _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional
                                     "_c10d_functional_autograd", "_dtensor"})
 
 
-def _returns_only_tensors(schema: torch.FunctionSchema) -> bool:
-    for ret in schema.returns:
+# Classification reads the schema once per op overload; each read of ``schema.arguments`` or
+# ``schema.returns`` builds new Python objects, so they are read once and passed around.
+
+
+def _returns_only_tensors(returns: list) -> bool:
+    for ret in returns:
         kind = ret.type.kind()
         if kind == "TensorType":
             continue
@@ -78,14 +82,14 @@ def _returns_only_tensors(schema: torch.FunctionSchema) -> bool:
     return True
 
 
-def _returned_args(schema: torch.FunctionSchema) -> tuple[tuple[int, str], ...]:
+def _returned_args(arguments: list, returns: list) -> tuple[tuple[int, str], ...]:
     """Map each return of a mutating op to the written argument it aliases."""
     result = []
-    for ret in schema.returns:
+    for ret in returns:
         alias = ret.alias_info
         if alias is None:
             return ()
-        for position, arg in enumerate(schema.arguments):
+        for position, arg in enumerate(arguments):
             if arg.alias_info is not None and arg.alias_info.before_set == alias.before_set:
                 result.append((position, arg.name))
                 break
@@ -94,8 +98,8 @@ def _returned_args(schema: torch.FunctionSchema) -> tuple[tuple[int, str], ...]:
     return tuple(result)
 
 
-def _written_lists(schema: torch.FunctionSchema) -> tuple[tuple[int, str], ...]:
-    return tuple((position, arg.name) for position, arg in enumerate(schema.arguments)
+def _written_lists(arguments: list) -> tuple[tuple[int, str], ...]:
+    return tuple((position, arg.name) for position, arg in enumerate(arguments)
                  if arg.alias_info is not None and arg.alias_info.is_write
                  and arg.type.kind() == "ListType")
 
@@ -119,17 +123,19 @@ def _classify(func: torch._ops.OpOverload) -> OpClass:
         return OpClass(OpKind.BOUNDARY, Reason.DYNAMIC_SHAPE)
     if name in _METADATA_MUTATIONS or torch.Tag.inplace_view in tags:
         return OpClass(OpKind.BOUNDARY, Reason.METADATA_MUTATION)
-    if not _returns_only_tensors(schema):
+    returns = schema.returns
+    if not _returns_only_tensors(returns):
         return OpClass(OpKind.BOUNDARY, Reason.NON_TENSOR_OUTPUT)
-    if any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments):
-        returned = _returned_args(schema)
-        if schema.returns and not returned:
+    if schema.is_mutable:                       # some argument is written (alias_info.is_write)
+        arguments = schema.arguments
+        returned = _returned_args(arguments, returns)
+        if returns and not returned:
             return OpClass(OpKind.BOUNDARY, Reason.UNKNOWN_OP)  # returns fresh and mutates
         return OpClass(OpKind.MUTATING, returned_args=returned,
-                       written_lists=_written_lists(schema))
+                       written_lists=_written_lists(arguments))
     if func.is_view:
         return OpClass(OpKind.VIEW)
-    if any(ret.alias_info is not None for ret in schema.returns):
+    if any(ret.alias_info is not None for ret in returns):
         return OpClass(OpKind.BOUNDARY, Reason.UNKNOWN_OP)  # aliases without being a view
     return OpClass(OpKind.FUSIBLE)
 
