@@ -31,6 +31,7 @@ from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkey
                                                tensor_args, without_input_identity)
 
 SINGLE, TUPLE, LIST, VOID = "single", "tuple", "list", "void"
+_new_tuple = tuple.__new__      # skips OpRecord's Python-level __new__: once per recorded op
 
 
 def flatten_outputs(out: Any) -> tuple[str, tuple]:
@@ -163,7 +164,12 @@ class SegmentBuilder:
         del self.inputs[count:]
 
     def _tensor_arg(self, tensor: torch.Tensor) -> TensorArg:
-        arg = tensor_arg(tensor, self.ref_of(tensor))
+        known = self._known.get(id(tensor))       # ref_of, inlined: once per tensor argument
+        if known is not None and known[0]() is tensor:
+            ref = known[1]
+        else:
+            ref = self.ref_of(tensor)
+        arg = tensor_arg(tensor, ref)
         if arg.device != self.device and not is_cpu_scalar(arg):
             self._enter_device(arg.device)
         return arg
@@ -176,8 +182,9 @@ class SegmentBuilder:
     def add(self, func, op_class: OpClass, args: tuple, kwargs: tuple, out: Any) -> OpRecord:
         """Record an op that ran eagerly and returned ``out``."""
         container, flat = flatten_outputs(out)
-        metas = tuple(TensorMeta.of(t) if is_plain_tensor(t) else None for t in flat)
-        record = OpRecord(func, op_class, args, kwargs, container, metas, (func, args, kwargs))
+        metas = tuple([TensorMeta.of(t) if is_plain_tensor(t) else None for t in flat])
+        record = _new_tuple(OpRecord, (func, op_class, args, kwargs, container, metas,
+                                       (func, args, kwargs)))
         self.append(record, flat)
         return record
 
