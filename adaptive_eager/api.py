@@ -133,6 +133,7 @@ _paused_until: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 @dataclasses.dataclass(frozen=True)
 class _PauseMemory:
     quiet_segments: int
+    quiet_count: int
     backoff_s: float
     paused_until: float
     awaited_answers: int | None
@@ -141,8 +142,9 @@ class _PauseMemory:
 def _remember_pause(runtime) -> None:
     """A thread's pausing state outlives its runtime, so ``with ae.enabled():`` around each
     step pauses (and stays paused) as one long enable would."""
-    _local.pause_memory = _PauseMemory(runtime.quiet_segments, runtime.pause_backoff_s,
-                                       _paused_until.get(runtime, 0.0), runtime.awaited_answers)
+    _local.pause_memory = _PauseMemory(runtime.quiet_segments, runtime.quiet_count,
+                                       runtime.pause_backoff_s, _paused_until.get(runtime, 0.0),
+                                       runtime.awaited_answers)
 
 
 def _recall_pause(runtime) -> bool:
@@ -150,7 +152,8 @@ def _recall_pause(runtime) -> bool:
     memory = getattr(_local, "pause_memory", None)
     if memory is None or not config.PAUSE:
         return False
-    runtime.quiet_segments, runtime.pause_backoff_s = memory.quiet_segments, memory.backoff_s
+    runtime.quiet_segments, runtime.quiet_count = memory.quiet_segments, memory.quiet_count
+    runtime.pause_backoff_s = memory.backoff_s
     runtime.awaited_answers = memory.awaited_answers
     if memory.paused_until > time.monotonic() and not runtime.awaited_kernel_landed():
         _paused_until[runtime] = memory.paused_until

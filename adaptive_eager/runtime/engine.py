@@ -42,18 +42,20 @@ PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
 PAUSE_LONGEST_S = 64.0    # ...up to this
 # How much one segment counts toward PAUSE_WINDOW (Note [Pausing]): a new key 1; a key judged
 # never to fuse is stronger evidence; a new shape of a structure that keeps changing shapes
-# stronger still, and twice that when it is too cheap to compile even if its shape came back
-# (a loop of ever-new small shapes pauses after 6 steps, not ~10: each watched step costs about
-# 5x a plain one there; large ones keep the plain weight, so bucketed lengths that recur reach
-# their generic kernel first). Not more: a loop that runs a kernel empties the window each
+# stronger still, and four times that when it is too cheap to compile even if its shape came
+# back (a loop of ever-new small shapes pauses after 4 steps, not ~10: each watched step costs
+# about 3-5x a plain one there; large ones keep the plain weight, so bucketed lengths that recur
+# reach their generic kernel first). A loop that runs a kernel empties the window each
 # iteration, and beside it a few small dynamic segments must not fill it (pausing would stop
-# the kernel too). A key compiling or waiting to, in a program that passes control
-# points (the way back), is the whole window: the loop's kernel is coming, and on a small
-# machine each step watched meanwhile costs about twice a plain step (keys not yet hot are
-# found after the pause).
+# the kernel too): so no pause comes from fewer than MIN_QUIET_SEGMENTS segments, which lets
+# up to 3 of them sit beside a kernel. A key compiling or waiting to, in a program that passes
+# control points (the way back), is the whole window at once: the loop's kernel is coming,
+# and on a small machine each step watched meanwhile costs about twice a plain step (keys not
+# yet hot are found after the pause).
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
-CHEAP_CHURN_WEIGHT = 2 * CHURN_WEIGHT
+CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT
+MIN_QUIET_SEGMENTS = 4
 
 _shared_lock = threading.Lock()
 _shared_table: KeyTable | None = None
@@ -182,7 +184,8 @@ class Runtime:
         # Per-op counts stay local (no lock per op) and are published at segment ends.
         self._ops_seen = 0
         self._per_op = 0
-        self.quiet_segments = 0                   # see Note [Pausing]
+        self.quiet_segments = 0                   # their weight, see Note [Pausing]
+        self.quiet_count = 0                      # and how many
         self._points_at_quiet_start = 0           # control.points_passed then
         self.pause_requested = False
         self.pause_backoff_s = PAUSE_FIRST_S
@@ -342,13 +345,16 @@ class Runtime:
         steps) lasts until one lands, which a control point notices; a loop that passes no
         control point would never notice, so there compiling keys count as new ones."""
         if entry is None or entry.promising:
-            self.quiet_segments = 0
+            self.quiet_segments = self.quiet_count = 0
             self.pause_backoff_s = PAUSE_FIRST_S
             return
         if self.quiet_segments == 0:
             self._points_at_quiet_start = control.points_passed()
-        self.quiet_segments += self._weight(entry)
-        if self.quiet_segments >= config.PAUSE_WINDOW and config.PAUSE and \
+        weight = self._weight(entry)
+        self.quiet_segments += weight
+        self.quiet_count += 1
+        enough = self.quiet_count >= MIN_QUIET_SEGMENTS or weight >= config.PAUSE_WINDOW
+        if self.quiet_segments >= config.PAUSE_WINDOW and enough and config.PAUSE and \
                 not self.pause_requested:
             self.pause_requested = True
             decide("pause_requested", segments=self.quiet_segments)
@@ -371,7 +377,7 @@ class Runtime:
         of them lands (awaited_kernel_landed); else for the back-off, which each fruitless
         pause doubles."""
         self.flush()
-        self.pause_requested, self.quiet_segments = False, 0
+        self.pause_requested, self.quiet_segments, self.quiet_count = False, 0, 0
         counters.add("pauses")
         if (self.table.compiles_in_flight or self.table.compiles_waiting) and \
                 self._control_points_pass():

@@ -135,12 +135,12 @@ def test_ever_new_shapes_pause_within_a_few_steps(pausing):
 
 
 @pytest.mark.parametrize("min_segment_us, min_us_per_op, pauses_at_length",
-                         [(1000, 0, 6), (0, 1000, 6), (0, 0, 10)])
+                         [(1000, 0, 4), (0, 1000, 4), (0, 0, 10)])
 def test_ever_new_shapes_too_cheap_to_compile_pause_sooner(pausing, min_segment_us,
                                                             min_us_per_op, pauses_at_length):
-    # Lengths 1 and 2 count 1 each; from the third shape on each new one counts 32, or 64
+    # Lengths 1 and 2 count 1 each; from the third shape on each new one counts 32, or 128
     # when its ops compute for less than MIN_SEGMENT_US + MIN_US_PER_OP per op (7 ops here):
-    # the window of 256 fills at 6, or 10.
+    # the window of 256 fills at 4, or 10.
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
     with config.patch(PAUSE_WINDOW=256, MIN_SEGMENT_US=min_segment_us,
                       MIN_US_PER_OP=min_us_per_op), torch.no_grad(), ae.enabled():
@@ -154,7 +154,8 @@ def test_ever_new_shapes_too_cheap_to_compile_pause_sooner(pausing, min_segment_
 
 def test_small_dynamic_segments_beside_a_kernel_do_not_pause_the_loop(pausing, compiler):
     # Each iteration: a large chain (compiled, then fused: it empties the pause window) and
-    # two small segments of a new shape, each too cheap to compile (64 toward the window).
+    # three small segments of a new shape, each too cheap to compile: 128 toward the window,
+    # which they fill, but a pause needs MIN_QUIET_SEGMENTS (4) of them.
     # The stand-in compiler's kernels are no faster than per-op: keep them anyway.
     big = torch.randn(1 << 20)
     with config.patch(PAUSE_WINDOW=256, MIN_SEGMENT_US=100, MIN_US_PER_OP=20,
@@ -164,6 +165,7 @@ def test_small_dynamic_segments_beside_a_kernel_do_not_pause_the_loop(pausing, c
             out.sum().item()
             (torch.ones(length) * 2 + 1).sum().item()
             (torch.ones(length, 2) - 1).abs().sum().item()
+            (torch.ones(2, length) * 3).exp().sum().item()
             assert not ae.is_paused(), length
     assert ae.stats().fused_executions >= 25
     assert_equal(out, ((big * 2 + 1).sin() * 3).cos())
