@@ -35,6 +35,9 @@ from adaptive_eager.benchmarks.workloads import layernorm_gelu_residual, pointwi
 # Rounds of the cases whose runs take tens of milliseconds, each the same work in both modes,
 # in alternating order: single runs here vary by +-10%, so medians of few would decide a ratio.
 ROUNDS = 9
+# Fresh processes vary far more than rounds inside one: 20 eager steps of the small MLP took
+# 34-108 ms across 15 processes here (first touches of torch's code pages on a VM disk).
+FRESH_PROCESS_ROUNDS = 15
 
 
 def _timed(fn, steps: int) -> float:
@@ -157,7 +160,7 @@ FIRST_STEPS = textwrap.dedent("""
 """)
 
 
-def first_training_steps(width: int, batch: int, rounds: int = ROUNDS) -> dict:
+def first_training_steps(width: int, batch: int, rounds: int = FRESH_PROCESS_ROUNDS) -> dict:
     """Medians of ``rounds`` pairs of fresh processes, each adaptive one with empty caches.
     Which of a pair runs first alternates: here the first process of a pair ran slower."""
     seconds = {"eager": [], "adaptive": []}
