@@ -4,6 +4,14 @@ Deferred outputs are real tensors whose memory is filled only when their segment
 through aten ops end the segment by themselves; these methods read memory directly, so while the
 runtime is on they are wrapped to run deferred work first. ``.item()`` needs nothing: it
 dispatches ``_local_scalar_dense``, a boundary.
+
+# Note [.data assignment]
+``t.data = other`` gives ``t`` other's memory, shape and strides without an op the mode sees
+(``set_data`` runs below it). A segment must not span it: a deferred run would read t's new
+memory (perhaps an unfilled buffer, as in ``ema.data = ema.data * 0.9 + p * 0.1``) for ops that
+came before, and a recorded key would give one input two shapes. So while the runtime is on,
+the setter ends this thread's segment first, like a boundary op, and runs deferred work of
+other threads' runtimes.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ _ESCAPING_METHODS = ("numpy", "tolist", "data_ptr", "__array__", "__dlpack__", "
 # covered: README, "Threads".)
 _HANDOFFS = ((queue.Queue, "put"), (threading.Thread, "start"),
              (concurrent.futures.ThreadPoolExecutor, "submit"))
+_DATA = torch._C.TensorBase.__dict__["data"]   # the getset descriptor of Tensor.data
 _originals: dict[tuple, object] = {}
 _lock = threading.Lock()
 _installs = 0
@@ -44,6 +53,26 @@ def _flush_this_thread() -> None:
     for runtime in live_runtimes():
         if runtime.owner_thread == me and runtime.has_deferred():
             runtime.flush(end_segment=False)
+
+
+def _end_segments_before_data_swap() -> None:
+    """Note [.data assignment]."""
+    from adaptive_eager.runtime.engine import live_runtimes
+    me = threading.get_ident()
+    for runtime in live_runtimes():
+        if runtime.owner_thread == me:
+            runtime.flush()                       # runs deferred work and ends the segment
+        elif runtime.has_deferred():
+            runtime.flush(end_segment=False)
+
+
+def _set_data(self, new_data) -> None:
+    _end_segments_before_data_swap()
+    _DATA.__set__(self, new_data)
+
+
+# The getter stays the C one (a property calls it without a Python frame).
+_data_property = property(_DATA.__get__, _set_data, doc=_DATA.__doc__)
 
 
 def _flushing(method, flush):
@@ -70,6 +99,8 @@ def install() -> None:
         for owner, name, flush in _wrapped_methods():
             _originals[owner, name] = owner.__dict__.get(name)
             setattr(owner, name, _flushing(getattr(owner, name), flush))
+        _originals[torch.Tensor, "data"] = torch.Tensor.__dict__.get("data")
+        torch.Tensor.data = _data_property
 
 
 def uninstall() -> None:
