@@ -12,6 +12,19 @@ memory (perhaps an unfilled buffer, as in ``ema.data = ema.data * 0.9 + p * 0.1`
 came before, and a recorded key would give one input two shapes. So while the runtime is on,
 the setter ends this thread's segment first, like a boundary op, and runs deferred work of
 other threads' runtimes.
+
+# Note [Outside memory]
+``torch.from_numpy(buffer)`` (and ``as_tensor``/``asarray`` of an array they do not copy,
+``frombuffer``, ``from_dlpack``) makes a tensor whose memory another library writes without any
+op: ``buffer[:] = next_batch`` between two steps. A deferred run that reads such a tensor would
+compute with the later contents (its kernel runs at the next op). While the runtime is on,
+these constructors remember the storage they return (weakly, by address), and every op that
+reads it runs per-op, as a boundary (``outside_memory`` in stats): ``.clone()`` or ``.to()``
+such an input to fuse what follows. Tensors made before ``enable()``, or through a name bound
+before it (``from torch import from_numpy``), are not known (with ``NEURON_ADAPTIVE_EAGER=1``
+the runtime is on before the program starts), nor numpy views
+of torch memory (``t.numpy()``, which tensorboard histograms call on parameters: treating
+those as outside memory would stop fusion for good).
 """
 from __future__ import annotations
 
@@ -19,6 +32,7 @@ import concurrent.futures
 import functools
 import queue
 import threading
+import weakref
 
 import torch
 
@@ -35,6 +49,13 @@ _ESCAPING_METHODS = ("numpy", "tolist", "data_ptr", "__array__", "__dlpack__", "
 _HANDOFFS = ((queue.Queue, "put"), (threading.Thread, "start"),
              (concurrent.futures.ThreadPoolExecutor, "submit"))
 _DATA = torch._C.TensorBase.__dict__["data"]   # the getset descriptor of Tensor.data
+_SHARING_CONSTRUCTORS = ((torch, "from_numpy"), (torch, "as_tensor"), (torch, "asarray"),
+                         (torch, "frombuffer"), (torch, "from_dlpack"))
+# storage address -> that storage (Note [Outside memory]); an entry lives as long as the storage,
+# so an address torch allocates again later is not mistaken for it
+_outside_memory: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_any_outside_memory = False    # a plain flag: the check below runs for every new segment input
+_outside_lock = threading.Lock()
 _originals: dict[tuple, object] = {}
 _lock = threading.Lock()
 _installs = 0
@@ -67,12 +88,56 @@ def _end_segments_before_data_swap() -> None:
 
 
 def _set_data(self, new_data) -> None:
-    _end_segments_before_data_swap()
+    if not torch.compiler.is_compiling():      # Dynamo tracing: no segment to end
+        _end_segments_before_data_swap()
     _DATA.__set__(self, new_data)
 
 
 # The getter stays the C one (a property calls it without a Python frame).
 _data_property = property(_DATA.__get__, _set_data, doc=_DATA.__doc__)
+
+
+def _storage_of(tensor: torch.Tensor):
+    """Its storage, or None for tensors without one (sparse, meta, subclasses without data)."""
+    if tensor.layout is not torch.strided or tensor.is_meta:
+        return None
+    try:
+        return raw_untyped_storage(tensor)
+    except RuntimeError:
+        return None
+
+
+def _remember_outside_memory(storage) -> None:
+    global _any_outside_memory
+    with _outside_lock:
+        _outside_memory[storage.data_ptr()] = storage
+        _any_outside_memory = True
+
+
+def _remembering_outside_memory(constructor):
+    @functools.wraps(constructor)
+    def wrapper(*args, **kwargs):
+        tensor = constructor(*args, **kwargs)
+        if isinstance(tensor, torch.Tensor) and not torch.compiler.is_compiling():
+            storage = _storage_of(tensor)
+            # not resizable: not torch's own allocation, so shared (as_tensor may copy instead)
+            if storage is not None and not storage.resizable():
+                _remember_outside_memory(storage)
+        return tensor
+    wrapper.__adaptive_eager_original__ = constructor
+    return wrapper
+
+
+def shares_outside_memory(tensor: torch.Tensor) -> bool:
+    """Does ``tensor`` read memory that a numpy array (or buffer) shares? Note [Outside memory].
+    Free while no such tensor was made."""
+    if not _any_outside_memory:
+        return False
+    storage = _storage_of(tensor)
+    if storage is None:
+        return False
+    with _outside_lock:
+        return _outside_memory.get(storage.data_ptr()) is storage
 
 
 def _flushing(method, flush):
@@ -101,6 +166,9 @@ def install() -> None:
             setattr(owner, name, _flushing(getattr(owner, name), flush))
         _originals[torch.Tensor, "data"] = torch.Tensor.__dict__.get("data")
         torch.Tensor.data = _data_property
+        for owner, name in _SHARING_CONSTRUCTORS:
+            _originals[owner, name] = owner.__dict__.get(name)
+            setattr(owner, name, _remembering_outside_memory(getattr(owner, name)))
 
 
 def uninstall() -> None:

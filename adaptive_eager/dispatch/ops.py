@@ -39,6 +39,9 @@ class Reason(str, enum.Enum):
     # and cutting there keeps segments aligned with it.
     PROFILER_RANGE = "profiler_range"
     UNSUPPORTED_TENSOR = "unsupported_tensor"  # sparse, quantized, subclass, meta, ...
+    # memory a numpy array (or buffer, DLPack producer) shares: writes through it bypass torch,
+    # so a deferred kernel could read them early (dispatch/escapes.py, Note [Outside memory])
+    OUTSIDE_MEMORY = "outside_memory"
     UNKEYABLE_ARGUMENT = "unkeyable_argument"  # an argument we cannot put in a key (SymInt, ...)
 
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from adaptive_eager.dispatch.escapes import raw_untyped_storage
+from adaptive_eager.dispatch.escapes import raw_untyped_storage, shares_outside_memory
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason
 from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkeyable, encode_call,
                                                is_cpu_scalar, is_plain_tensor, tensor_arg,
@@ -135,6 +135,8 @@ class SegmentBuilder:
         entry = self._known.get(id(tensor))
         if entry is not None and entry[0]() is tensor:
             return entry[1]
+        if shares_outside_memory(tensor):
+            raise Unkeyable(Reason.OUTSIDE_MEMORY, "memory shared with numpy or a buffer")
         ref = ("in", len(self.inputs))
         self.inputs.append(tensor)
         self._known[id(tensor)] = (weakref.ref(tensor), ref)

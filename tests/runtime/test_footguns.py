@@ -120,6 +120,44 @@ def test_data_assignment_mid_segment_splits_it():
     assert "data" not in torch.Tensor.__dict__       # the setter is ours only while enabled
 
 
+def _refill_and_run(make_input, steps=12):
+    """A numpy buffer refilled every step, read through a tensor that shares it, outputs kept
+    and not read until the end (Note [Outside memory])."""
+    import numpy as np
+    buffer = np.zeros(4096, dtype=np.float32)
+    x = make_input(buffer)
+    outs = []
+    for step in range(steps):
+        buffer[:] = step
+        outs.append(chain(x))
+    return outs
+
+
+@pytest.mark.parametrize("make_input", [     # looked up when called, as programs do
+    lambda array: torch.from_numpy(array),
+    lambda array: torch.as_tensor(array),
+    lambda array: torch.frombuffer(array, dtype=torch.float32),
+], ids=["from_numpy", "as_tensor", "frombuffer"])
+def test_memory_shared_with_numpy_is_read_when_eager_reads_it(make_input):
+    expected = _refill_and_run(make_input)
+    with ae.enabled():
+        got = _refill_and_run(make_input)
+        ae.sync()
+        stats = ae.stats()
+    assert stats.fallbacks["outside_memory"] >= 10   # the op reading x runs per-op
+    assert stats.fused_executions >= 5                 # what follows it still fuses
+    for g, e in zip(got, expected):
+        assert_equal(g, e)
+
+
+def test_a_numpy_array_copied_into_a_tensor_is_torch_memory():
+    import numpy as np
+    with ae.enabled():
+        x = torch.as_tensor(np.zeros(64, dtype=np.float64), dtype=torch.float32)  # a copy
+        _warm(chain, x)
+        assert "outside_memory" not in ae.stats().fallbacks
+
+
 def test_in_place_update_of_an_input_is_visible_with_eager_versions():
     def step(x, acc):
         acc.add_(x * 2)
