@@ -169,6 +169,11 @@ def install() -> None:
         for owner, name in _SHARING_CONSTRUCTORS:
             _originals[owner, name] = owner.__dict__.get(name)
             setattr(owner, name, _remembering_outside_memory(getattr(owner, name)))
+        # CuPy, Numba and others read CUDA memory through this property, not a method
+        interface = torch.Tensor.__dict__["__cuda_array_interface__"]
+        _originals[torch.Tensor, "__cuda_array_interface__"] = interface
+        torch.Tensor.__cuda_array_interface__ = property(
+            _flushing(interface.fget, _flush_deferred), doc=interface.__doc__)
 
 
 def uninstall() -> None:

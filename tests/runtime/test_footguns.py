@@ -158,6 +158,18 @@ def test_a_numpy_array_copied_into_a_tensor_is_torch_memory():
         assert "outside_memory" not in ae.stats().fallbacks
 
 
+def test_cuda_array_interface_flushes_first():
+    # CuPy and Numba read CUDA tensors through this property; on CPU it raises, after the flush
+    x = torch.randn(16)
+    with ae.enabled():
+        _warm(chain, x)
+        y = chain(x)
+        assert _pending()
+        assert not hasattr(y, "__cuda_array_interface__")
+        assert not _pending()
+        assert_equal(y, chain(x))
+
+
 def test_in_place_update_of_an_input_is_visible_with_eager_versions():
     def step(x, acc):
         acc.add_(x * 2)
