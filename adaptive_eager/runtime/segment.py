@@ -13,6 +13,13 @@ view cannot even be): an output is also live when a view of it is, and is then w
 into the view's storage. Views of external inputs need nothing: they see the input itself. The
 key of a segment includes its live set, so a kernel only replays where it writes all that is
 live.
+
+# Note [Results thrown away]
+A loop that drops what it computes (``for _ in range(n): model(x)``, the first timing loop
+anyone writes) leaves nothing live, and a kernel of nothing would have no output (Inductor's
+cannot even be saved): its compile failed and the loop ran per-op for good. Where nothing is
+live and nothing is written, the segment's final results count as live instead, so such a
+loop fuses and costs what computing its results costs, as it does in eager.
 """
 from __future__ import annotations
 
@@ -233,9 +240,20 @@ class SegmentBuilder:
         return self._opening_shape == without_input_identity(signature)
 
     def live_refs(self) -> tuple[Ref, ...]:
-        """Outputs still readable now, directly or through a view (see Note [Liveness])."""
-        return tuple(ref for ref, wref in self._outputs.items()
+        """Outputs still readable now, directly or through a view (see Note [Liveness]); when
+        none is, its final results (Note [Results thrown away])."""
+        live = tuple(ref for ref, wref in self._outputs.items()
                      if wref() is not None or self._live_view(ref) is not None)
+        if live or any(op.op_class.kind is OpKind.MUTATING for op in self.ops):
+            return live
+        return self._final_results()
+
+    def _final_results(self) -> tuple[Ref, ...]:
+        """Non-view outputs that no later compute op reads (a view's reads do not count: a
+        result reshaped at the end is still a result)."""
+        read = {arg.ref for op in self.ops if op.op_class.kind is not OpKind.VIEW
+                for arg in tensor_args((op.args, op.kwargs))}
+        return tuple(ref for ref in self._outputs if ref not in read)
 
     def _live_view(self, ref: Ref) -> torch.Tensor | None:
         for wref in self._views_of.get(ref, ()):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from adaptive_eager.config import config
 from helpers import assert_equal
 
 pytestmark = pytest.mark.inductor
@@ -39,3 +40,23 @@ def test_inductor_divergence_replays_into_the_same_buffers():
         ae.sync()
     assert ae.stats().divergences >= 1
     assert_equal(other, (x * 2 + 1).sin().exp())
+
+
+def test_a_loop_that_drops_its_results_fuses_through_the_worker():
+    # Nothing is live when each segment ends: its final result counts as live (Note [Results
+    # thrown away]). Before, the worker's kernel had no output, could not be saved, and the
+    # key failed for good.
+    x = torch.randn(4096)
+    chain = lambda t: ((t * 2 + 1).sin() * 3).cos()       # noqa: E731
+    with config.patch(ASYNC=True, COMPILE_TIMEOUT_S=120), ae.enabled():
+        for _ in range(4):
+            chain(x)
+        ae.sync(wait_compiles=120)
+        for _ in range(3):
+            chain(x)
+        kept = chain(x)
+        ae.sync()
+    stats = ae.stats()
+    assert stats.compiles == 1 and stats.compile_failures == 0
+    assert stats.fused_executions >= 3
+    assert_equal(kept, chain(x))

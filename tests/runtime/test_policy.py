@@ -67,6 +67,22 @@ def test_kernel_failing_at_run_time_falls_back_per_op():
     assert ae.stats().fallbacks["kernel_error"] == 1
 
 
+def test_a_loop_that_drops_its_results_fuses_under_the_key_that_keeps_them(compiler):
+    # Note [Results thrown away]: with nothing live, the final result counts as live, so the
+    # timing loop and the loop that keeps its result are one key and one compile.
+    x = torch.randn(8)
+    with ae.enabled():
+        for _ in range(4):
+            chain(x)
+        kept = [chain(x) for _ in range(3)]
+        ae.sync()
+        [entry] = _entries()
+        assert entry.state is KeyState.READY and entry.segment.live_refs == (("out", 4, 0),)
+    assert compiler.count == 1 and ae.stats().fused_executions >= 4
+    for out in kept:
+        assert_equal(out, chain(x))
+
+
 def test_single_ops_are_not_worth_fusing(compiler):
     x = torch.randn(8)
     with ae.enabled():
