@@ -10,7 +10,6 @@ from __future__ import annotations
 from torch.compiler import is_compiling
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaptive_eager.runtime.stats import counters
 
 
 class AdaptiveMode(TorchDispatchMode):
@@ -25,8 +24,10 @@ class AdaptiveMode(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if is_compiling():         # Dynamo/AOT tracing runs user-compiled code: stay out
-            counters.fallback("torch_compile")
+        # Dynamo/AOT tracing of user-compiled code: stay out. Dynamo inlines this method (see
+        # _should_skip_dynamo), so nothing here may take a lock or touch our state: a counter
+        # split every compiled function into two graphs.
+        if is_compiling():
             return func(*args, **(kwargs or {}))
         return self.runtime.on_op(func, args, kwargs or {})
 
