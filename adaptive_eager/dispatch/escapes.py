@@ -22,9 +22,9 @@ these constructors remember the storage they return (weakly, by address), and ev
 reads it runs per-op, as a boundary (``outside_memory`` in stats): ``.clone()`` or ``.to()``
 such an input to fuse what follows. Tensors made before ``enable()``, or through a name bound
 before it (``from torch import from_numpy``), are not known (with ``NEURON_ADAPTIVE_EAGER=1``
-the runtime is on before the program starts), nor numpy views
-of torch memory (``t.numpy()``, which tensorboard histograms call on parameters: treating
-those as outside memory would stop fusion for good).
+the runtime is on before the program starts), nor numpy views of torch memory (``t.numpy()``,
+which tensorboard histograms call on parameters: treating those as outside memory would stop
+fusion for good).
 """
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from torch.compiler import is_compiling
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-
 class AdaptiveMode(TorchDispatchMode):
     def __init__(self, runtime) -> None:
         super().__init__()
