@@ -11,7 +11,7 @@ dispatches ``_local_scalar_dense``, a boundary.
 memory (perhaps an unfilled buffer, as in ``ema.data = ema.data * 0.9 + p * 0.1``) for ops that
 came before, and a recorded key would give one input two shapes. So while the runtime is on,
 the setter ends this thread's segment first, like a boundary op, and runs deferred work of
-other threads' runtimes.
+other threads' runtimes. ``torch.utils.swap_tensors`` likewise.
 
 # Note [Outside memory]
 ``torch.from_numpy(buffer)`` (and ``as_tensor``/``asarray`` of an array they do not copy,
@@ -152,6 +152,10 @@ def _flushing(method, flush):
 def _wrapped_methods():
     yield from ((torch.Tensor, name, _flush_deferred) for name in _ESCAPING_METHODS)
     yield from ((owner, name, _flush_this_thread) for owner, name in _HANDOFFS)
+    # swaps two tensors' contents with no op (Note [.data assignment]), and refuses tensors
+    # that a segment holds (weakrefs, use counts): ``model.to()`` raised with
+    # torch.__future__.set_swap_module_params_on_conversion(True)
+    yield torch.utils, "swap_tensors", _end_segments_before_data_swap
 
 
 def install() -> None:

@@ -163,6 +163,27 @@ def test_a_numpy_array_copied_into_a_tensor_is_torch_memory():
         assert "outside_memory" not in ae.stats().fallbacks
 
 
+def test_module_conversion_that_swaps_tensors_works_mid_segment():
+    # With swap-on-conversion (PyTorch's future default) model.double() swaps each parameter
+    # with torch.utils.swap_tensors, which refuses tensors a segment holds: it raised here.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with torch.no_grad():                        # no graph holding the weights
+        expected = model.double()(x.double())
+    model.float()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        with ae.enabled():
+            (model(x) * 2).sin()                 # the weights are inputs of an open segment
+            model.double()
+            got = model(x.double())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert model.weight.dtype == torch.float64
+    assert_equal(got, expected)
+
+
 def test_in_place_update_of_an_input_is_visible_with_eager_versions():
     def step(x, acc):
         acc.add_(x * 2)
