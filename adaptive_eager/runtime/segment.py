@@ -138,10 +138,8 @@ class SegmentBuilder:
     def __len__(self) -> int:
         return len(self.ops)
 
-    def ref_of(self, tensor: torch.Tensor) -> Ref:
-        entry = self._known.get(id(tensor))
-        if entry is not None and entry[0]() is tensor:
-            return entry[1]
+    def _new_input(self, tensor: torch.Tensor) -> Ref:
+        """Register ``tensor`` as the segment's next external input (it is not known yet)."""
         if shares_outside_memory(tensor):
             raise Unkeyable(Reason.OUTSIDE_MEMORY, "memory shared with numpy or a buffer")
         ref = ("in", len(self.inputs))
@@ -173,11 +171,8 @@ class SegmentBuilder:
         del self.inputs[count:]
 
     def _tensor_arg(self, tensor: torch.Tensor) -> TensorArg:
-        known = self._known.get(id(tensor))       # ref_of, inlined: once per tensor argument
-        if known is not None and known[0]() is tensor:
-            ref = known[1]
-        else:
-            ref = self.ref_of(tensor)
+        known = self._known.get(id(tensor))       # once per tensor argument of every op
+        ref = known[1] if known is not None and known[0]() is tensor else self._new_input(tensor)
         arg = tensor_arg(tensor, ref)
         if arg.device != self.device and not is_cpu_scalar(arg):
             self._enter_device(arg.device)
@@ -244,14 +239,14 @@ class SegmentBuilder:
         none is, its final results (Note [Results thrown away])."""
         live = tuple(ref for ref, wref in self._outputs.items()
                      if wref() is not None or self._live_view(ref) is not None)
-        if live or any(op.op_class.kind is OpKind.MUTATING for op in self.ops):
+        if live or any(op.kind is OpKind.MUTATING for op in self.ops):
             return live
         return self._final_results()
 
     def _final_results(self) -> tuple[Ref, ...]:
         """Non-view outputs that no later compute op reads (a view's reads do not count: a
         result reshaped at the end is still a result)."""
-        read = {arg.ref for op in self.ops if op.op_class.kind is not OpKind.VIEW
+        read = {arg.ref for op in self.ops if op.kind is not OpKind.VIEW
                 for arg in tensor_args((op.args, op.kwargs))}
         return tuple(ref for ref in self._outputs if ref not in read)
 
