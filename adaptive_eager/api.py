@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 import weakref
@@ -13,6 +14,7 @@ from typing import Iterator
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import control, escapes
 from adaptive_eager.dispatch.mode import AdaptiveMode
+from adaptive_eager.fork_safety import at_fork
 from adaptive_eager.runtime import engine
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.policy import unfreeze_gc
@@ -81,7 +83,8 @@ def disable() -> None:
     if not stack:
         return
     runtime, mode = stack.pop()
-    _remember_pause(runtime)
+    if not runtime.stood_aside:        # a forked child's pause is not for its own enables
+        _remember_pause(runtime)
     try:
         runtime.close()
     finally:
@@ -223,6 +226,21 @@ def _publish_all_counts() -> None:
     """Runtimes count ops locally (no lock per op); gather them into the shared counters."""
     for runtime in engine.live_runtimes():
         runtime.publish_counts()
+
+
+def _after_fork_in_child() -> None:
+    """Note [Fork] (runtime/engine.py): this thread's runtimes stand aside and stay paused
+    (their modes leave the stack where they can; elsewhere they pass ops straight through),
+    and a later enable() here starts afresh, without the parent's pausing state."""
+    engine.after_fork_in_child()
+    for runtime, mode in reversed(_stack()):
+        if _current_mode() is mode:
+            mode.__exit__(None, None, None)
+        _paused_until[runtime] = math.inf
+    _local.pause_memory = None
+
+
+at_fork(before=escapes.flush_deferred, after_in_child=_after_fork_in_child)
 
 
 def reset() -> None:

@@ -230,3 +230,8 @@ class DiskCache:
         self.flush()
         atexit.unregister(self.flush)
         self.store.close()
+
+    def disown(self) -> None:
+        """A forked child's copy (Note [Fork] in runtime/engine.py): it must never write
+        through, nor close, the parent's connection; not even at exit."""
+        atexit.unregister(self.flush)

@@ -14,7 +14,10 @@ import functools
 import sys
 import threading
 
+from adaptive_eager.fork_safety import reinit_in_child
+
 _lock = threading.Lock()
+reinit_in_child(_lock)   # Note [Fork] (runtime/engine.py)
 _installed = False
 _module_hook = None
 _points_passed = 0       # permanent control points passed, any thread (a hint, not a count)

@@ -36,6 +36,8 @@ import weakref
 
 import torch
 
+from adaptive_eager.fork_safety import reinit_in_child
+
 # The runtime's own storage access must not go through the flushing wrapper below (it would
 # try to flush from inside the runtime): it uses this, the method the wrapper wraps.
 raw_untyped_storage = torch._C.TensorBase.untyped_storage
@@ -59,9 +61,11 @@ _outside_lock = threading.Lock()
 _originals: dict[tuple, object] = {}
 _lock = threading.Lock()
 _installs = 0
+reinit_in_child(_lock, _outside_lock)   # Note [Fork] (runtime/engine.py)
 
 
-def _flush_deferred() -> None:
+def flush_deferred() -> None:
+    """Run every runtime's deferred work (not the segments being recorded)."""
     from adaptive_eager.runtime.engine import live_runtimes
     for runtime in live_runtimes():
         if runtime.has_deferred():
@@ -150,7 +154,7 @@ def _flushing(method, flush):
 
 
 def _wrapped_methods():
-    yield from ((torch.Tensor, name, _flush_deferred) for name in _ESCAPING_METHODS)
+    yield from ((torch.Tensor, name, flush_deferred) for name in _ESCAPING_METHODS)
     yield from ((owner, name, _flush_this_thread) for owner, name in _HANDOFFS)
     # swaps two tensors' contents with no op (Note [.data assignment]), and refuses tensors
     # that a segment holds (weakrefs, use counts): ``model.to()`` raised with
@@ -177,7 +181,7 @@ def install() -> None:
         interface = torch.Tensor.__dict__["__cuda_array_interface__"]
         _originals[torch.Tensor, "__cuda_array_interface__"] = interface
         torch.Tensor.__cuda_array_interface__ = property(
-            _flushing(interface.fget, _flush_deferred), doc=interface.__doc__)
+            _flushing(interface.fget, flush_deferred), doc=interface.__doc__)
 
 
 def uninstall() -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from adaptive_eager import faults
+from adaptive_eager.fork_safety import reinit_in_child
 from adaptive_eager.runtime.graph import build_graph
 from adaptive_eager.runtime.segment import Segment
 
@@ -126,6 +127,7 @@ class CountingCompiler:
 
 
 _compiler_lock = threading.Lock()
+reinit_in_child(_compiler_lock)   # Note [Fork] (runtime/engine.py)
 _active: Compiler | None = None
 
 

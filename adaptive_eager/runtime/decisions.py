@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 
+from adaptive_eager.fork_safety import reinit_in_child
+
 log = logging.getLogger("adaptive_eager")
 
 REPEAT_INTERVAL_S = 10.0
@@ -45,6 +47,7 @@ DECISIONS = {
 }
 
 _lock = threading.Lock()
+reinit_in_child(_lock)   # Note [Fork] (runtime/engine.py)
 _last: dict[tuple, list] = {}       # (decision, identity) -> [last time, suppressed count]
 
 

@@ -11,6 +11,18 @@ Divergence: a deferred run that cannot finish fused is replayed per-op into the 
 
 One ``Runtime`` exists per ``enable()``; the key table and the trie of compiled kernels are
 shared by all of them (``shared_table()``).
+
+# Note [Fork]
+A forked child (DataLoader workers and multiprocessing under the default ``fork`` start method)
+gets a copy of the runtime: this thread's mode stays on its mode stack, and the key table holds
+the parent's compile worker and database connection. A child that used them took the worker
+for dead (it is not the child's child) and started one of its own, one per DataLoader worker,
+and wrote through a connection SQLite forbids using, or closing, across a fork. So the parent first runs
+deferred work (the child must not copy unfilled buffers); in the child, every runtime that
+existed at the fork runs ops plainly (``stand_aside``), the table and what it holds are left
+alone for good (``KeyTable.disown``), and locks another thread may have held are made anew.
+The child starts with nothing: an ``enable()`` there gets a table, worker and connection of its
+own. Processes started with ``spawn`` or ``forkserver`` begin fresh anyway.
 """
 from __future__ import annotations
 
@@ -29,6 +41,7 @@ from adaptive_eager.dispatch import control
 from adaptive_eager.dispatch.escapes import raw_untyped_storage
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
+from adaptive_eager.fork_safety import reinit_in_child
 from adaptive_eager.runtime.buffers import BufferPool
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.graph import run_eagerly
@@ -58,8 +71,10 @@ CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT
 MIN_QUIET_SEGMENTS = 4
 
 _shared_lock = threading.Lock()
+reinit_in_child(_shared_lock)   # Note [Fork]
 _shared_table: KeyTable | None = None
 _live_runtimes: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+_disowned: list[KeyTable] = []     # the parent's tables, kept so nothing of theirs is closed
 
 
 def shared_table() -> KeyTable:
@@ -85,6 +100,17 @@ def reset_shared_table() -> None:
 
 def live_runtimes() -> list["Runtime"]:
     return list(_live_runtimes)
+
+
+def after_fork_in_child() -> None:
+    """Note [Fork]: leave what the parent runs to the parent."""
+    global _shared_table
+    table, _shared_table = _shared_table, None
+    if table is not None:
+        table.disown()
+        _disowned.append(table)
+    for runtime in live_runtimes():
+        runtime.stand_aside()
 
 
 def release_idle_resources() -> None:
@@ -172,6 +198,10 @@ def _bump_versions(op_class: OpClass, args: tuple, kwargs: dict) -> None:
             torch.autograd.graph.increment_version(tensors)
 
 
+def _run_plainly(func, args: tuple, kwargs: dict) -> Any:
+    return func(*args, **kwargs)
+
+
 class Runtime:
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -190,6 +220,7 @@ class Runtime:
         self.pause_requested = False
         self.pause_backoff_s = PAUSE_FIRST_S
         self.awaited_answers: int | None = None   # see awaited_kernel_landed()
+        self.stood_aside = False                  # see stand_aside()
         _live_runtimes.add(self)
 
     @property
@@ -238,8 +269,17 @@ class Runtime:
         self.flush()
         self.publish_counts()
         self.pool.clear()
-        self.table.flush()
+        if not self.stood_aside:
+            self.table.flush()
         _live_runtimes.discard(self)
+
+    def stand_aside(self) -> None:
+        """Note [Fork]: in a forked child, run every op as it comes, and touch no table."""
+        self._lock = threading.RLock()
+        self._builder = self._hot = self._busy_thread = None
+        self.pause_requested, self.awaited_answers = False, None
+        self.stood_aside = True
+        self.on_op = _run_plainly
 
     # ---------------------------------------------------------------- dispatch
 

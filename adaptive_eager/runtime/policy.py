@@ -800,6 +800,14 @@ class KeyTable:
         if self.disk is not None:
             self.disk.flush()
 
+    def disown(self) -> None:
+        """Note [Fork] (runtime/engine.py): this table was copied into a forked child. Its
+        worker and database connection are the parent's: the child's exit must not close
+        them (nor write through the connection), so their exit hooks go."""
+        for held in (self.disk, self.worker):
+            if held is not None:
+                held.disown()
+
     def close(self) -> None:
         with self._lock:
             if self.worker is not None:

@@ -6,6 +6,8 @@ import dataclasses
 import threading
 import types
 
+from adaptive_eager.fork_safety import reinit_in_child
+
 
 @dataclasses.dataclass(frozen=True)
 class Stats:
@@ -70,3 +72,4 @@ class Counters:
 
 
 counters = Counters()
+reinit_in_child(counters._lock)   # Note [Fork] (runtime/engine.py)

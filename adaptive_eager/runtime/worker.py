@@ -313,6 +313,11 @@ class CompileWorker:
             process.kill()
             process.wait()
 
+    def disown(self) -> None:
+        """A forked child's copy (Note [Fork] in runtime/engine.py): the worker is the
+        parent's, so the child's exit must not stop it."""
+        atexit.unregister(self.close)
+
     def close(self) -> None:
         """Stop the worker without making the program wait: an idle worker exits when its
         stdin closes; one still compiling is killed (its work would be lost anyway)."""

@@ -1,0 +1,22 @@
+"""Fork hooks (Note [Fork] in runtime/engine.py). ``os.register_at_fork`` is POSIX-only: where
+it is missing, processes never fork, and there is nothing to do."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+
+def at_fork(before: Callable[[], None] | None = None,
+            after_in_child: Callable[[], None] | None = None) -> None:
+    if not hasattr(os, "register_at_fork"):
+        return
+    hooks = {name: hook for name, hook in (("before", before), ("after_in_child", after_in_child))
+             if hook is not None}
+    os.register_at_fork(**hooks)
+
+
+def reinit_in_child(*locks) -> None:
+    """Make ``locks`` anew in a forked child: a thread of the parent may have held one at the
+    fork, and no thread of the child would ever release it."""
+    for lock in locks:
+        at_fork(after_in_child=lock._at_fork_reinit)
