@@ -162,7 +162,7 @@ SETTINGS: tuple[Setting, ...] = (
             "per-op (megamorphic), so a loop of ever-new shapes compiles a bounded number of "
             "times."),
     Setting("BUFFER_POOL_MB", _non_negative_int, lambda: 1024,
-            "Memory (MiB) kept to reuse for large deferred outputs (saves page faults); "
+            "CPU memory (MiB) kept to reuse for large deferred outputs (saves page faults); "
             "0 disables the pool."),
     Setting("CACHE_DIR", _directory, _default_cache_dir,
             "Where compiled kernels and segment records are kept (shared by processes)."),

@@ -5,6 +5,10 @@ On CPU, writing into a freshly allocated large tensor costs page faults on every
 large outputs it handed out and reuses one only when nothing else refers to it any more: its
 storage use count is 1 (the pool's own reference). A user tensor, a view of it, or a tensor
 saved by autograd all keep the count above 1, so live data is never overwritten.
+
+Only CPU memory is pooled: a GPU's caching allocator already reuses freed blocks without page
+faults, and storages the pool held would be memory eager gives back (up to BUFFER_POOL_MB, an
+out-of-memory error that eager would not hit on a nearly full device).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ class BufferPool:
     def empty(self, meta: TensorMeta) -> torch.Tensor:
         """An uninitialized tensor like ``meta``, on reused memory when some is free."""
         nbytes = storage_bytes(meta)
-        if nbytes < MIN_POOLED_BYTES or self.max_bytes <= 0:
+        if nbytes < MIN_POOLED_BYTES or self.max_bytes <= 0 or meta.device.type != "cpu":
             return meta.empty()
         slots = self._slots.get((meta.device, nbytes), ())
         for storage in slots:

@@ -55,3 +55,15 @@ def test_held_memory_is_bounded():
     assert pool.held_bytes == 3 * storage_bytes(LARGE)
     pool.clear()
     assert pool.held_bytes == 0 and len(kept) == 6
+
+
+def test_only_cpu_memory_is_pooled():
+    """Other devices' allocators cache freed blocks themselves: pooled storages there would be
+    memory eager gives back (the meta device stands in for a GPU)."""
+    pool = BufferPool(max_bytes=64 << 20)
+    on_device = LARGE._replace(device=torch.device("meta"))
+    for _ in range(3):
+        assert pool.empty(on_device).device.type == "meta"
+    assert pool.held_bytes == 0
+    pool.empty(LARGE)
+    assert pool.held_bytes == storage_bytes(LARGE)
