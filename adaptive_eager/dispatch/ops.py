@@ -64,6 +64,11 @@ _HOST_SYNC_OPS = frozenset({
 _METADATA_MUTATIONS = frozenset({
     "aten::resize_", "aten::resize_as_", "aten::set_", "aten::as_strided_", "aten::_resize_output_",
 })
+# Ops that allocate without initializing: what their outputs hold is undefined in eager too.
+UNINITIALIZED_OUTPUT_OPS = frozenset({
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
+    "aten::new_empty", "aten::new_empty_strided",
+})
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                                     "_c10d_functional_autograd", "_dtensor"})
 
