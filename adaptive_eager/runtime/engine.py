@@ -162,11 +162,15 @@ def _run_kernel(kernel, inputs: list, buffers: list) -> None:
 
     Eager already bumped the versions of mutated inputs when each in-place op was deferred
     (autograd's ADInplaceOrView runs above the mode); the compiled wrapper's own copy back into
-    a mutated input would bump them again, so they are restored."""
-    versions = [None if t.is_inference() else t._version for t in inputs]
+    a mutated input would bump them again, so they are restored. So are the output buffers':
+    AOTAutograd counts the graph's writes into them as input mutations and bumps them too, and
+    an output autograd saved (a LayerNorm's input, for its backward) then failed backward with
+    "modified by an inplace operation"."""
+    tensors = [*inputs, *buffers]
+    versions = [None if t.is_inference() else t._version for t in tensors]
     with _no_autocast():
         kernel(*inputs, *buffers)
-    changed = [(t, v) for t, v in zip(inputs, versions) if v is not None and t._version != v]
+    changed = [(t, v) for t, v in zip(tensors, versions) if v is not None and t._version != v]
     if changed:
         torch._C._autograd._unsafe_set_version_counter(*zip(*changed))
 

@@ -30,6 +30,31 @@ def test_inductor_kernels_write_outputs_views_and_mutated_inputs():
     assert_equal(torch.from_numpy(arrays), expected[-1][1])
 
 
+def test_outputs_autograd_saved_keep_their_versions():
+    """A fused forward whose outputs a later segment's ops save for backward (LayerNorm saves
+    its input, addmm the LayerNorm's output): Inductor's writes into the output buffers bumped
+    their version counters, and backward raised "modified by an inplace operation"."""
+    torch.manual_seed(0)
+    lin, norm = torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)
+
+    def step(x):
+        y = norm(torch.nn.functional.gelu(lin(x)) + x)
+        (y.sum() + lin(y).sum()).backward()
+        grads = [p.grad.clone() for p in (*lin.parameters(), *norm.parameters())]
+        for p in (*lin.parameters(), *norm.parameters()):
+            p.grad = None
+        return grads
+
+    inputs = [torch.randn(8, 64) for _ in range(5)]
+    expected = [step(x) for x in inputs]
+    with ae.enabled():
+        got = [step(x) for x in inputs]
+        assert ae.stats().fused_executions >= 2
+    for g, e in zip(got, expected):
+        for actual, wanted in zip(g, e):
+            torch.testing.assert_close(actual, wanted)
+
+
 def test_inductor_divergence_replays_into_the_same_buffers():
     x = torch.randn(8, 8)
     acc = torch.zeros(8, 8)
