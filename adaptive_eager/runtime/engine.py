@@ -15,13 +15,13 @@ shared by all of them (``shared_table()``).
 # Note [Fork]
 A forked child (DataLoader workers and multiprocessing under the default ``fork`` start method)
 gets a copy of the runtime: this thread's mode stays on its mode stack, and the key table holds
-the parent's compile worker and database connection. A child that used them took the worker
-for dead (it is not the child's child) and started one of its own, one per DataLoader worker,
-and wrote through a connection SQLite forbids using, or closing, across a fork. So the parent first runs
-deferred work (the child must not copy unfilled buffers); in the child, every runtime that
+the parent's compile worker and database connection. A child that used them took the worker for
+dead (it is not the child's child) and started one of its own, one per DataLoader worker, and
+wrote through a connection SQLite forbids using, or closing, across a fork. So the parent first
+runs deferred work (the child must not copy unfilled buffers); in the child, every runtime that
 existed at the fork runs ops plainly (``stand_aside``), the table and what it holds are left
-alone for good (``KeyTable.disown``), and locks another thread may have held are made anew.
-The child starts with nothing: an ``enable()`` there gets a table, worker and connection of its
+alone for good (``KeyTable.disown``), and locks another thread may have held are made anew. The
+child starts with nothing: an ``enable()`` there gets a table, worker and connection of its
 own. Processes started with ``spawn`` or ``forkserver`` begin fresh anyway.
 """
 from __future__ import annotations
