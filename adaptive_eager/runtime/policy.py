@@ -753,8 +753,8 @@ class KeyTable:
             entry.state = KeyState.UNPROFITABLE
             entry.reason = f"fused {entry.fused_ms:.3f} ms vs eager {eager_ms:.3f} ms"
         counters.fallback("unprofitable")
-        decide("unprofitable", key=entry.digest, fused_ms=entry.fused_ms,
-               eager_ms=entry.eager_ms)
+        decide("unprofitable", key=entry.digest, fused_ms=round(entry.fused_ms, 3),
+               eager_ms=round(eager_ms, 3))      # what was compared: a wall time can be more
         self._note(entry, state=entry.state.value, reason=entry.reason)
 
     # ------------------------------------------------------------------ failures
