@@ -194,12 +194,17 @@ def large(name: str, make, numel: int) -> dict:
             kept = step()
         ae.sync()
         del kept
+        fused_before = ae.stats().fused_executions
         for _ in range(4):
             with ae.paused():
                 eager.append(_timed(step, 5) / 5)
             adaptive.append(_timed(adaptive_step, 5) / 5)
+        stats = ae.stats()
+    # A row near 1.0x says why: how many timed runs were fused, and what ran per-op instead.
     return {"case": f"{name}, {numel >> 20}M elements", "eager_s": statistics.median(eager),
-            "adaptive_s": statistics.median(adaptive)}
+            "adaptive_s": statistics.median(adaptive),
+            "fused": f"{stats.fused_executions - fused_before}/20",
+            "per_op": dict(stats.fallbacks)}
 
 
 @contextlib.contextmanager
@@ -246,6 +251,10 @@ def _print_row(row: dict) -> None:
         notes += f" (generic {row['generic']})"
     if row["case"].startswith(("pointwise", "LayerNorm", "8 recurring")):
         notes += f" speedup {1 / ratio:.2f}x"
+    if "fused" in row:
+        notes += f" fused {row['fused']}"
+    if row.get("per_op"):
+        notes += " per-op: " + ", ".join(f"{reason} {n}" for reason, n in row["per_op"].items())
     print(f"{row['case']:<44}{row['eager_s']:>10.4f}{row['adaptive_s']:>12.4f}"
           f"{ratio:>8.2f}  {notes}", flush=True)
 
