@@ -6,13 +6,10 @@ import os
 from typing import Callable
 
 
-def at_fork(before: Callable[[], None] | None = None,
-            after_in_child: Callable[[], None] | None = None) -> None:
-    if not hasattr(os, "register_at_fork"):
-        return
-    hooks = {name: hook for name, hook in (("before", before), ("after_in_child", after_in_child))
-             if hook is not None}
-    os.register_at_fork(**hooks)
+def at_fork(**hooks: Callable[[], None]) -> None:
+    """``os.register_at_fork(**hooks)`` where processes can fork."""
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(**hooks)
 
 
 def reinit_in_child(*locks) -> None:

@@ -115,12 +115,11 @@ class Verification:
         self.reason = ""
 
     def passes(self, buffers: list, inputs: list) -> bool:
-        expected = [self.expected[index] for index in self._compared]
-        pairs = [(buffers[index], self.expected[index]) for index in self._compared] + \
-            list(zip(inputs, self.copies))
+        outputs = [(buffers[index], self.expected[index]) for index in self._compared]
+        pairs = outputs + list(zip(inputs, self.copies))
         close = self._close
         if close is _roughly_equal:
-            floor = max(map(_magnitude, expected + self.copies), default=0.0)
+            floor = max((_magnitude(expected) for _, expected in pairs), default=0.0)
             close = lambda actual, expected: _roughly_equal(actual, expected, floor)  # noqa: E731
         bad = [(actual, expected) for actual, expected in pairs
                if actual.shape != expected.shape or not close(actual, expected)]
