@@ -803,10 +803,12 @@ class KeyTable:
     def disown(self) -> None:
         """Note [Fork] (runtime/engine.py): this table was copied into a forked child. Its
         worker and database connection are the parent's: the child's exit must not close
-        them (nor write through the connection), so their exit hooks go."""
+        them (nor write through the connection), so their exit hooks go. The thread the
+        program lent the parent's compiles comes back: the child has none in flight."""
         for held in (self.disk, self.worker):
             if held is not None:
                 held.disown()
+        self._threads.compiles_done()
 
     def close(self) -> None:
         with self._lock:
