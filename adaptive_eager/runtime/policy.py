@@ -29,7 +29,7 @@ from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.cache.memory import KernelLRU
 from adaptive_eager.cache.store import SegmentRecord
 from adaptive_eager.config import config, small_machine
-from adaptive_eager.dispatch.signature import without_shapes
+from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS, without_shapes
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
 from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file
 from adaptive_eager.runtime.decisions import decide
@@ -170,9 +170,34 @@ class Structure:
         self.recent = (self.recent + [segment])[-GENERIC_VARIANTS:]
 
 
+def _grad_enabled(segment: Segment, op) -> bool:
+    """Was ``segment`` recorded with autograd on (its key context says)?"""
+    return segment.context[KEY_CONTEXT_FIELDS.index("grad_enabled")]
+
+
+# Ops whose Inductor kernels compile but fail when run (torch 2.13): a segment holding one
+# would cost a compile (10 s here) only to run per-op for good (kernel_error). Each maps to
+# the calls that fail, given (segment, op).
+_KERNELS_FAIL = {
+    # LSTM on CPU with autograd on (train or eval mode): "expected Tensor() for op:
+    # aten.mkldnn_rnn_layer" at run time. Under no_grad it compiles and runs.
+    "aten::mkldnn_rnn_layer": _grad_enabled,
+}
+
+
+def _kernel_would_fail(segment: Segment) -> bool:
+    for op in segment.ops:
+        fails = _KERNELS_FAIL.get(op.func.name())
+        if fails is not None and fails(segment, op):
+            return True
+    return False
+
+
 def unfusible_reason(segment: Segment, entry: KeyEntry) -> str | None:
     if segment.compute_ops < MIN_COMPUTE_OPS:
         return "too_few_ops"
+    if _kernel_would_fail(segment):
+        return "compiler_unsupported"
     if entry.too_cheap:
         return "too_cheap"                 # see MIN_SEGMENT_US and MIN_US_PER_OP (config)
     if any(_overlaps_itself(segment.out_meta(ref)) for ref in segment.live_refs):

@@ -96,6 +96,32 @@ def test_single_ops_are_not_worth_fusing(compiler):
     assert ae.stats().fallbacks["too_few_ops"] == 1 and compiler.count == 1
 
 
+def _states_with(op_name: str) -> list:
+    return [(e.state, e.reason) for e in _entries()
+            if any(str(op.func) == op_name for op in e.segment.ops)]
+
+
+def test_an_lstm_under_autograd_is_not_compiled_into_a_kernel_inductor_cannot_run(compiler):
+    """Inductor (torch 2.13) compiles ``mkldnn_rnn_layer`` under autograd into a kernel that
+    raises when run: the compile (10 s) would only end per-op. Under no_grad it compiles."""
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(8, 16, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    with ae.enabled():
+        trained = [lstm(x)[0] for _ in range(4)]
+        training = _states_with("aten.mkldnn_rnn_layer.default")
+        ae.reset()
+        with torch.no_grad():
+            inferred = [lstm(x)[0] for _ in range(4)]
+        inference = _states_with("aten.mkldnn_rnn_layer.default")
+    assert training == [(KeyState.UNFUSIBLE, "compiler_unsupported")]
+    assert [state for state, _ in inference] == [KeyState.READY]
+    assert compiler.count == 1                                # inference's kernel only
+    expected = lstm(x)[0]
+    for out in trained + inferred:
+        assert_equal(out.detach(), expected.detach())
+
+
 def test_segments_are_cut_at_max_length(compiler):
     x = torch.randn(8)
 
