@@ -3,9 +3,10 @@ dicts; the CLI only formats them. Nothing here imports torch."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
-from adaptive_eager.cache.store import CacheError, SegmentRecord, Store
+from adaptive_eager.cache.store import INDUCTOR_DIR, CacheError, SegmentRecord, Store
 
 SORT_KEYS = {
     "last-used": lambda r: -r.last_used,
@@ -159,8 +160,13 @@ def enable(store: Store, prefix: str) -> str:
 
 
 def clear(store: Store) -> int:
-    """Remove every record and artifact; returns how many records went."""
-    return store.delete([r.digest for r in store.records()])
+    """Remove every record and artifact, and Inductor's cache kept beside them (it only makes
+    loading those artifacts fast, and grows with every compile); returns how many records
+    went. A program compiling into this directory meanwhile may see that compile fail (a
+    counted fallback), never an error of its own."""
+    removed = store.delete([r.digest for r in store.records()])
+    shutil.rmtree(os.path.join(store.directory, INDUCTOR_DIR), ignore_errors=True)
+    return removed
 
 
 def prune(store: Store, older_than_s: float | None = None, max_bytes: int | None = None) -> int:

@@ -16,7 +16,7 @@ import sqlite3
 import sys
 import time
 
-from adaptive_eager.cache.store import SegmentRecord, Store
+from adaptive_eager.cache.store import INDUCTOR_DIR, SegmentRecord, Store
 from adaptive_eager.config import config
 
 log = logging.getLogger("adaptive_eager")
@@ -91,7 +91,7 @@ class DiskCache:
         # (DESIGN.md): keep Inductor's cache beside our artifacts unless the user chose one.
         if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.store.directory,
-                                                                 "inductor")
+                                                                 INDUCTOR_DIR)
 
     @property
     def enabled(self) -> bool:

@@ -36,6 +36,7 @@ log = logging.getLogger("adaptive_eager")
 FORMAT_VERSION = 1
 TABLE = f"segments_v{FORMAT_VERSION}"
 DB_NAME = "segments.sqlite"
+INDUCTOR_DIR = "inductor"    # Inductor's cache dir, unless the user set TORCHINDUCTOR_CACHE_DIR
 BUSY_TIMEOUT_S = 30.0
 STALE_TEMPORARY_S = 3600.0   # a temporary artifact this old belongs to no live writer
 

@@ -34,6 +34,7 @@ DECISIONS = {
     "compile_disabled": (logging.INFO, "key"),
     "disabled": (logging.INFO, "key"),
     "verify_mismatch": (logging.WARNING, "key"),
+    "profit_retimed": (logging.INFO, "key"),
     "unprofitable": (logging.INFO, "key"),
     "megamorphic": (logging.INFO, "key"),
     "generic_kernel": (logging.DEBUG, "key"),

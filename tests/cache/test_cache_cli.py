@@ -1,5 +1,6 @@
 """`adaptive-eager cache ...`: text and --json output, errors as one line and a non-zero exit."""
 import json
+import os
 
 import pytest
 import torch
@@ -84,8 +85,13 @@ def test_stats_verify_clear(cache_dir, capsys):
     assert _json(capsys, "verify", "--dir", cache_dir)["ok"] is True
     code, _, err = _cli(capsys, "clear", "--dir", cache_dir)       # no tty, no --yes
     assert code == 2 and "--yes" in err
+    inductor = os.path.join(cache_dir, "inductor", "fxgraph")      # Inductor's, beside ours
+    os.makedirs(inductor)
+    with open(os.path.join(inductor, "entry"), "wb") as handle:
+        handle.write(bytes(1 << 20))
     assert _json(capsys, "clear", "--yes", "--dir", cache_dir)["removed"] >= 3
     assert _json(capsys, "ls", "--dir", cache_dir) == []
+    assert not os.path.exists(os.path.join(cache_dir, "inductor"))
 
 
 @pytest.mark.parametrize("argv, message", [

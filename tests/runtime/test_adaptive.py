@@ -55,7 +55,7 @@ def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings():
     assert entry.fused_ms > 20 and entry.eager_ms < 20
     assert "fused" in entry.reason and "eager" in entry.reason
     stats = ae.stats()
-    assert stats.fused_executions == 4                # judged after 1 warm-up + 3 timed runs
+    assert stats.fused_executions == 7     # 1 warm-up + 3 timed runs, lost; 3 more, lost
     assert stats.fallbacks["unprofitable"] == 1
     ae.reset()                                        # persisted for the next process
     [record] = Store(config.CACHE_DIR).records()
@@ -74,9 +74,32 @@ def test_a_kernel_is_judged_against_plain_eager_not_the_intercepted_per_op_path(
     entry = variant.entry
     entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.002   # 8 ms of interception
     entry.fused_samples, entry.judged = [0.005] * 4, False            # beats 10 ms, not 2 ms
+    entry.retimed = True                                              # its second trial
     table._judge(variant)
     assert entry.state is KeyState.UNPROFITABLE and "eager 2.000 ms" in entry.reason
     assert variant not in table.kernels.values()
+
+
+def test_a_kernel_that_loses_its_first_trial_is_timed_once_more():
+    """Three timed runs can all fall in one busy moment; the verdict would be for good (and
+    on disk), so a kernel that loses is dropped only if it loses again."""
+    x = torch.randn(64)
+    with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
+        for _ in range(4):
+            chain(x)
+        table = engine.shared_table()
+        [variant] = table.kernels.values()
+        entry = variant.entry
+        entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.010
+        entry.fused_samples, entry.judged = [0.030] + [0.020] * 3, False   # a busy moment
+        table._judge(variant)
+        assert entry.state is KeyState.READY and entry.retimed and not entry.judged
+        with config.patch(KEEP_UNPROFITABLE=False):
+            for _ in range(3):
+                table.touch(variant, 0.004)                            # the kernel's own time
+        assert entry.judged and entry.state is KeyState.READY and entry.fused_ms == 4.0
+        assert variant in table.kernels.values()
+    assert "unprofitable" not in ae.stats().fallbacks
 
 
 def test_kept_unprofitable_kernels_with_the_setting(compiler):

@@ -104,6 +104,12 @@ def test_decision_log_has_one_fixed_format_line_per_decision(caplog):
     assert kinds.count("fallback") == 1           # 10 host syncs, repeats rate-limited
 
 
+def test_the_readme_lists_every_decision():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    listed = re.search(r"`decision=<([a-z_|\s]+)>", readme)[1]
+    assert set(re.split(r"[|\s]+", listed.strip())) == set(decisions.DECISIONS)
+
+
 def test_repeats_are_counted_when_the_next_line_comes(caplog, monkeypatch):
     monkeypatch.setattr(decisions, "REPEAT_INTERVAL_S", 0.0)
     with caplog.at_level(logging.DEBUG, logger="adaptive_eager"):
