@@ -62,15 +62,21 @@ def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings():
     assert record.state == "unprofitable" and record.fused_ms > 20 and record.eager_ms < 20
 
 
+def _kernel_of_chain(x):
+    """Run ``chain`` until its kernel is in: the key table and the kernel's variant."""
+    for _ in range(4):
+        chain(x)
+    table = engine.shared_table()
+    [variant] = table.kernels.values()
+    return table, variant
+
+
 def test_a_kernel_is_judged_against_plain_eager_not_the_intercepted_per_op_path():
     """Per-op runs under the runtime also pay for interception; a kernel that only beats
     that, not the ops' own time, would keep the program slower than plain eager."""
     x = torch.randn(64)
     with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
-        for _ in range(4):
-            chain(x)
-        table = engine.shared_table()
-        [variant] = table.kernels.values()
+        table, variant = _kernel_of_chain(x)
     entry = variant.entry
     entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.002   # 8 ms of interception
     entry.fused_samples, entry.judged = [0.005] * 4, False            # beats 10 ms, not 2 ms
@@ -85,10 +91,7 @@ def test_a_kernel_that_loses_its_first_trial_is_timed_once_more():
     on disk), so a kernel that loses is dropped only if it loses again."""
     x = torch.randn(64)
     with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
-        for _ in range(4):
-            chain(x)
-        table = engine.shared_table()
-        [variant] = table.kernels.values()
+        table, variant = _kernel_of_chain(x)
         entry = variant.entry
         entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.010
         entry.fused_samples, entry.judged = [0.030] + [0.020] * 3, False   # a busy moment
