@@ -13,6 +13,15 @@ came before, and a recorded key would give one input two shapes. So while the ru
 the setter ends this thread's segment first, like a boundary op, and runs deferred work of
 other threads' runtimes. ``torch.utils.swap_tensors`` likewise.
 
+# Note [Storage aliases]
+``nn.Parameter(t)`` (``Tensor._make_subclass``) makes a new tensor on t's memory without an op
+the mode sees. If t is a deferred output and the program keeps only the parameter
+(``copy.deepcopy`` of a model: ``Parameter(p.data.clone())``; ``nn.Parameter(w * s)`` at
+init), the segment sees t die, so its kernel wrote t's value elsewhere and the parameter kept
+unfilled memory: garbage weights, NaN after one SGD step. So it first runs deferred work, as the
+escaping methods do. (``t.as_subclass(cls)`` keeps t alive, and ``.data``, ``detach`` and
+``nn.Buffer`` are ops the mode sees: views.)
+
 # Note [Outside memory]
 ``torch.from_numpy(buffer)`` (and ``as_tensor``/``asarray`` of an array they do not copy,
 ``frombuffer``, ``from_dlpack``) makes a tensor whose memory another library writes without any
@@ -153,6 +162,17 @@ def _flushing(method, flush):
     return wrapper
 
 
+def _flushing_static(function, flush):
+    """``_flushing`` for a staticmethod (``Tensor._make_subclass(cls, data, ...)``)."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            flush()
+        return function(*args, **kwargs)
+    wrapper.__adaptive_eager_original__ = function
+    return staticmethod(wrapper)
+
+
 def _wrapped_methods():
     yield from ((torch.Tensor, name, flush_deferred) for name in _ESCAPING_METHODS)
     yield from ((owner, name, _flush_this_thread) for owner, name in _HANDOFFS)
@@ -172,6 +192,9 @@ def install() -> None:
         for owner, name, flush in _wrapped_methods():
             _originals[owner, name] = owner.__dict__.get(name)
             setattr(owner, name, _flushing(getattr(owner, name), flush))
+        _originals[torch.Tensor, "_make_subclass"] = torch.Tensor.__dict__.get("_make_subclass")
+        torch.Tensor._make_subclass = _flushing_static(torch.Tensor._make_subclass,
+                                                       flush_deferred)   # nn.Parameter(t)
         _originals[torch.Tensor, "data"] = torch.Tensor.__dict__.get("data")
         torch.Tensor.data = _data_property
         for owner, name in _SHARING_CONSTRUCTORS:

@@ -56,6 +56,45 @@ def test_reads_that_bypass_the_dispatcher_see_computed_values(read):
         assert_equal(torch.as_tensor(got), torch.as_tensor(expected))
 
 
+def test_a_parameter_made_on_a_deferred_outputs_memory_gets_its_values():
+    """Note [Storage aliases]: no op tells the mode of the parameter, and the output itself
+    is dropped; its kernel wrote elsewhere and the parameter kept unfilled memory."""
+    x = torch.randn(32)
+    expected = chain(x)
+    with ae.enabled():
+        _warm(chain, x)
+        y = chain(x)
+        assert _pending(), "the output should be deferred here"
+        kept = torch.nn.Parameter(y)
+        del y
+        ae.sync()
+    assert_equal(kept.detach(), expected)
+
+
+def test_a_model_deep_copied_under_the_runtime_trains_like_eager():
+    """``copy.deepcopy`` makes each parameter with ``Parameter(p.data.clone())``: with the
+    clones fused, the copy's weights were unfilled memory (NaN after one SGD step)."""
+    import copy
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for _ in range(3):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)])
+    x = torch.randn(4, 8)
+    expected = train(copy.deepcopy(base))
+    with ae.enabled():
+        got = train(copy.deepcopy(base))
+        ae.sync()
+        assert ae.stats().fused_executions >= 1
+    for g, e in zip(got, expected):
+        assert_equal(g, e)
+
+
 def _saved(t):
     buffer = io.BytesIO()
     torch.save(t, buffer)
