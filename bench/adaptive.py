@@ -47,25 +47,28 @@ def _timed(fn, steps: int) -> float:
     return time.perf_counter() - started
 
 
-def _side_by_side(step, steps: int, warmup: int, rounds: int = ROUNDS) -> tuple[float, float]:
-    """(eager s, adaptive s) for ``steps`` steps after ``warmup`` under the runtime; medians
-    of alternating rounds. Once paused, both modes run the same plain eager code, yet rounds of
-    the tiny chain took 74-122 ms here: 3 rounds gave ratios from 0.93 to 1.19."""
+def _side_by_side(step, steps: int, warmup: int, rounds: int = ROUNDS) -> dict:
+    """Eager and adaptive seconds for ``steps`` steps after ``warmup`` under the runtime
+    (medians of alternating rounds), and how many ops the runtime intercepted in its timed
+    rounds. Once paused, both modes run the same plain eager code (0 intercepted), yet rounds
+    of the tiny chain took 74-122 ms here: 3 rounds gave ratios from 0.93 to 1.19."""
     ae.reset()
     seconds = {False: [], True: []}
     with ae.enabled():
         _timed(step, warmup)
+        seen_before = ae.stats().ops_seen
         for round_ in range(rounds):
             for adaptive in (False, True) if round_ % 2 == 0 else (True, False):
                 with contextlib.nullcontext() if adaptive else ae.paused():
                     seconds[adaptive].append(_timed(step, steps))
-    return statistics.median(seconds[False]), statistics.median(seconds[True])
+        intercepted = ae.stats().ops_seen - seen_before
+    return {"eager_s": statistics.median(seconds[False]),
+            "adaptive_s": statistics.median(seconds[True]), "intercepted": intercepted}
 
 
 def tiny_chain(steps: int) -> dict:
     chain = pointwise_chain(4096)
-    eager, adaptive = _side_by_side(chain, steps, warmup=400)
-    return {"case": "tiny chain (4096, bare loop)", "eager_s": eager, "adaptive_s": adaptive}
+    return {"case": "tiny chain (4096, bare loop)", **_side_by_side(chain, steps, warmup=400)}
 
 
 def tiny_mlp(steps: int) -> dict:
@@ -77,8 +80,7 @@ def tiny_mlp(steps: int) -> dict:
     def step():
         with torch.no_grad():
             return model(x).argmax().item()
-    eager, adaptive = _side_by_side(step, steps, warmup=400)
-    return {"case": "MLP at batch 1 (modules)", "eager_s": eager, "adaptive_s": adaptive}
+    return {"case": "MLP at batch 1 (modules)", **_side_by_side(step, steps, warmup=400)}
 
 
 def variable_length(steps: int) -> dict:
@@ -254,6 +256,8 @@ def _print_row(row: dict) -> None:
         notes += f" speedup {1 / ratio:.2f}x"
     if "fused" in row:
         notes += f" fused {row['fused']}"
+    if "intercepted" in row:
+        notes += f"ops intercepted while timed: {row['intercepted']}"
     if row.get("per_op"):
         notes += " per-op: " + ", ".join(f"{reason} {n}" for reason, n in row["per_op"].items())
     print(f"{row['case']:<44}{row['eager_s']:>10.4f}{row['adaptive_s']:>12.4f}"
