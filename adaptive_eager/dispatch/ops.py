@@ -54,6 +54,9 @@ class OpClass:
     # For MUTATING ops: written Tensor[] arguments. Under any dispatch mode, foreach in-place
     # ops do not bump their tensors' version counters as eager does; the runtime bumps these.
     written_lists: tuple[tuple[int, str], ...] = ()
+    # For MUTATING ops: the ``out=`` arguments, which the op resizes when their shape is not
+    # the result's (Note [Resized outputs], runtime/engine.py).
+    out_args: tuple[tuple[int, str], ...] = ()
 
 
 # Ops that read device data back to the host; most carry no tag saying so.
@@ -140,7 +143,9 @@ def _classify(func: torch._ops.OpOverload) -> OpClass:
         if returns and not returned:
             return OpClass(OpKind.BOUNDARY, Reason.UNKNOWN_OP)  # returns fresh and mutates
         return OpClass(OpKind.MUTATING, returned_args=returned,
-                       written_lists=_written_lists(arguments))
+                       written_lists=_written_lists(arguments),
+                       out_args=tuple((position, arg.name) for position, arg in
+                                      enumerate(arguments) if arg.is_out))
     if func.is_view:
         return OpClass(OpKind.VIEW)
     if any(ret.alias_info is not None for ret in returns):

@@ -202,6 +202,23 @@ def _bump_versions(op_class: OpClass, args: tuple, kwargs: dict) -> None:
             torch.autograd.graph.increment_version(tensors)
 
 
+def _out_layouts(op_class: OpClass, args: tuple, kwargs: dict) -> list:
+    """Shape and strides of an op's ``out=`` tensors.
+
+    Note [Resized outputs]: ``torch.mm(a, b, out=torch.empty(0))`` resizes its ``out`` inside
+    the op, a metadata change no op shows the mode. Deferred, the call would hand back ``out``
+    unresized (and a replay could not write the result into it: the program raised). So a
+    call that resized its ``out`` when it ran cold is cut out of the segment, like a
+    boundary; its signature (``out``'s shape before the call) then never matches a compiled
+    segment, and it runs eagerly every time."""
+    layouts = []
+    for position, name in op_class.out_args:
+        tensor = _argument(args, kwargs, position, name)
+        layouts.append((tensor.shape, tensor.stride()) if isinstance(tensor, torch.Tensor)
+                       else None)
+    return layouts
+
+
 def _run_plainly(func, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
@@ -317,7 +334,7 @@ class Runtime:
             child = root.children.get(signature) if root is not None else None
             if child is not None:
                 return self._defer(child, func, op_class, args, kwargs, signature)
-        return self._run_cold(func, op_class, args, kwargs, signature)
+        return self._run_cold(func, op_class, args, kwargs, signature, known_inputs)
 
     def _current_builder(self) -> SegmentBuilder:
         builder = self._builder
@@ -336,13 +353,20 @@ class Runtime:
         self._per_op += 1
         return func(*args, **kwargs)
 
-    def _run_cold(self, func, op_class: OpClass, args, kwargs, signature) -> Any:
+    def _run_cold(self, func, op_class: OpClass, args, kwargs, signature,
+                  known_inputs: int) -> Any:
+        layouts = _out_layouts(op_class, args, kwargs) if op_class.out_args else None
         started = time.perf_counter()
         out = func(*args, **kwargs)
         self._builder.compute_seconds += time.perf_counter() - started
         if op_class.written_lists:
             _bump_versions(op_class, args, kwargs)
         self._per_op += 1
+        if layouts is not None and layouts != _out_layouts(op_class, args, kwargs):
+            self._builder.drop_inputs_from(known_inputs)   # Note [Resized outputs]
+            self._end_segment()
+            counters.fallback(Reason.METADATA_MUTATION.value)
+            return out
         self._builder.add(func, op_class, signature[1], signature[2], out)
         return out
 

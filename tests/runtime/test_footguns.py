@@ -95,6 +95,44 @@ def test_a_model_deep_copied_under_the_runtime_trains_like_eager():
         assert_equal(g, e)
 
 
+def test_an_out_argument_the_op_resizes_runs_eagerly():
+    """Note [Resized outputs]: deferred, ``out`` came back unresized, and the replay that
+    followed could not write the result into it (the program raised)."""
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+
+    def step():
+        product = torch.empty(0)
+        torch.mm(a, b, out=product)
+        shifted = torch.empty(0)
+        torch.add(product, 1, out=shifted)
+        return product.shape, (shifted * 2).sin()
+    expected = step()
+    with ae.enabled():
+        got = [step() for _ in range(6)]
+        ae.sync()
+        stats = ae.stats()
+    assert stats.fused_executions >= 1 and stats.fallbacks["metadata_mutation"] >= 12
+    for shape, value in got:
+        assert shape == expected[0]
+        assert_equal(value, expected[1])
+
+
+def test_an_out_argument_of_the_right_shape_is_fused():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    product = torch.empty(8, 4)
+
+    def step():
+        torch.mm(a, b, out=product)
+        return (product + 1).sin()
+    expected = step()
+    with ae.enabled():
+        got = [step() for _ in range(6)]
+        ae.sync()
+        assert ae.stats().fused_executions >= 3
+    for value in got:
+        assert_equal(value, expected)
+
+
 def _saved(t):
     buffer = io.BytesIO()
     torch.save(t, buffer)
