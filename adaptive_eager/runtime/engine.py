@@ -366,6 +366,7 @@ class Runtime:
             self._builder.drop_inputs_from(known_inputs)   # Note [Resized outputs]
             self._end_segment()
             counters.fallback(Reason.METADATA_MUTATION.value)
+            decide("fallback", reason=Reason.METADATA_MUTATION.value, op=func)
             return out
         self._builder.add(func, op_class, signature[1], signature[2], out)
         return out
