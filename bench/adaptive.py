@@ -257,7 +257,7 @@ def _print_row(row: dict) -> None:
     if "fused" in row:
         notes += f" fused {row['fused']}"
     if "intercepted" in row:
-        notes += f"ops intercepted while timed: {row['intercepted']}"
+        notes += f" ops intercepted while timed: {row['intercepted']}"
     if row.get("per_op"):
         notes += " per-op: " + ", ".join(f"{reason} {n}" for reason, n in row["per_op"].items())
     print(f"{row['case']:<44}{row['eager_s']:>10.4f}{row['adaptive_s']:>12.4f}"

@@ -162,15 +162,9 @@ def _flushing(method, flush):
     return wrapper
 
 
-def _flushing_static(function, flush):
-    """``_flushing`` for a staticmethod (``Tensor._make_subclass(cls, data, ...)``)."""
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        if not torch.compiler.is_compiling():
-            flush()
-        return function(*args, **kwargs)
-    wrapper.__adaptive_eager_original__ = function
-    return staticmethod(wrapper)
+def _flush_deferred_unless_compiling() -> None:
+    if not torch.compiler.is_compiling():     # Dynamo tracing: nothing deferred to run
+        flush_deferred()
 
 
 def _wrapped_methods():
@@ -193,8 +187,8 @@ def install() -> None:
             _originals[owner, name] = owner.__dict__.get(name)
             setattr(owner, name, _flushing(getattr(owner, name), flush))
         _originals[torch.Tensor, "_make_subclass"] = torch.Tensor.__dict__.get("_make_subclass")
-        torch.Tensor._make_subclass = _flushing_static(torch.Tensor._make_subclass,
-                                                       flush_deferred)   # nn.Parameter(t)
+        torch.Tensor._make_subclass = staticmethod(_flushing(   # Note [Storage aliases]
+            torch.Tensor._make_subclass, _flush_deferred_unless_compiling))
         _originals[torch.Tensor, "data"] = torch.Tensor.__dict__.get("data")
         torch.Tensor.data = _data_property
         for owner, name in _SHARING_CONSTRUCTORS:

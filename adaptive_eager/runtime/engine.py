@@ -219,6 +219,12 @@ def _out_layouts(op_class: OpClass, args: tuple, kwargs: dict) -> list:
     return layouts
 
 
+def _count_fallback(func, reason: str) -> None:
+    """An op that ran eagerly outside any segment, for ``reason``: counted and logged."""
+    counters.fallback(reason)
+    decide("fallback", reason=reason, op=func)
+
+
 def _run_plainly(func, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
@@ -347,9 +353,7 @@ class Runtime:
 
     def _run_boundary(self, func, args: tuple, kwargs: dict, reason: Reason) -> Any:
         self._end_segment()
-        reason = getattr(reason, "value", reason)
-        counters.fallback(reason)
-        decide("fallback", reason=reason, op=func)
+        _count_fallback(func, getattr(reason, "value", reason))
         self._per_op += 1
         return func(*args, **kwargs)
 
@@ -365,8 +369,7 @@ class Runtime:
         if layouts is not None and layouts != _out_layouts(op_class, args, kwargs):
             self._builder.drop_inputs_from(known_inputs)   # Note [Resized outputs]
             self._end_segment()
-            counters.fallback(Reason.METADATA_MUTATION.value)
-            decide("fallback", reason=Reason.METADATA_MUTATION.value, op=func)
+            _count_fallback(func, Reason.METADATA_MUTATION.value)
             return out
         self._builder.add(func, op_class, signature[1], signature[2], out)
         return out
