@@ -41,6 +41,9 @@ _REASON_TEXT = {
     "too_cheap": "its ops compute for less than NEURON_ADAPTIVE_EAGER_MIN_SEGMENT_US plus "
                  "NEURON_ADAPTIVE_EAGER_MIN_US_PER_OP per op, too little for fusion to repay "
                  "its overhead",
+    "compiler_unsupported": "it holds an op whose compiled kernel fails when run (with "
+                            "torch 2.13's Inductor: a CPU LSTM's mkldnn_rnn_layer under "
+                            "autograd), so compiling it would only cost time",
 }
 
 

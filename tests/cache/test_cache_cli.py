@@ -78,6 +78,18 @@ def test_explain_a_segment_that_is_not_fused(cache_dir, capsys):
     assert "is not fused: it has fewer than two compute ops" in sentence
 
 
+def test_explain_a_segment_inductor_cannot_run(capsys):
+    lstm = torch.nn.LSTM(8, 16, batch_first=True)
+    with ae.enabled():
+        for _ in range(4):
+            lstm(torch.randn(2, 5, 8))
+    ae.reset()                                 # writes everything to the store
+    rows = _json(capsys, "ls", "--dir", config.CACHE_DIR, "--state", "unfusible")
+    [row] = [r for r in rows if r["reason"] == "compiler_unsupported"]
+    sentence = _json(capsys, "explain", row["digest"], "--dir", config.CACHE_DIR)["explanation"]
+    assert "is not fused: it holds an op whose compiled kernel fails when run" in sentence
+
+
 def test_stats_verify_clear(cache_dir, capsys):
     stats = _json(capsys, "stats", "--dir", cache_dir)
     assert stats["entries"] >= 3 and stats["by_state"]["ready"] == 2
