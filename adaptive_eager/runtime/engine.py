@@ -470,12 +470,17 @@ class Runtime:
     def _end_hot(self) -> bool:
         """Finish a deferred run: fused if a kernel fits, else replayed per-op.
 
-        Returns True when the segment is over (it ran fused); False when it was replayed and
-        the builder goes on recording it as a cold segment."""
+        Returns True when the segment is over (it ran fused, or per-op beside its kernel on
+        trial); False when it was replayed and the builder goes on recording it as a cold
+        segment."""
         node, self._hot = self._hot, None
         builder = self._builder
         live = builder.live_refs()
         variant = self._pick_variant(node, builder, live)
+        if variant is not None and self.table.wants_eager_run(variant):
+            self._run_beside(variant, builder, live)
+            self._builder = None
+            return True
         try:
             fused = variant is not None and self._run_fused(variant, builder)
         except VerificationError:
@@ -484,10 +489,21 @@ class Runtime:
         if fused:
             self._builder = None
             return True
-        targets = [(ref, builder.live_tensor(ref)) for ref in live]
-        run_eagerly(builder.ops, builder.inputs, [(r, t) for r, t in targets if t is not None])
-        self._per_op += len(builder)
+        self._replay(builder, live)
         return False
+
+    def _run_beside(self, variant, builder: SegmentBuilder, live: tuple) -> None:
+        """Note [Side by side] (runtime/policy.py): run a deferred segment whose kernel is on
+        trial per-op instead, and time its ops for the comparison."""
+        self.table.touch_eager(variant, self._replay(builder, live))
+
+    def _replay(self, builder: SegmentBuilder, live: tuple) -> float:
+        """Run the deferred ops per-op into the tensors the user holds; the ops' seconds."""
+        targets = [(ref, builder.live_tensor(ref)) for ref in live]
+        seconds = run_eagerly(builder.ops, builder.inputs,
+                              [(ref, tensor) for ref, tensor in targets if tensor is not None])
+        self._per_op += len(builder)
+        return seconds
 
     def _pick_variant(self, node: TrieNode, builder: SegmentBuilder, live: tuple):
         """The kernel to finish this deferred run with, or None (the reason is counted)."""

@@ -7,6 +7,7 @@ into the kernel writing straight into the caller's memory, with no temporary.
 from __future__ import annotations
 
 import operator
+import time
 from typing import Iterable
 
 import torch
@@ -57,25 +58,32 @@ def write_buffers(graph: fx.Graph, buffers: list, live_refs: tuple, values: dict
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
-def run_eagerly(ops: Iterable[OpRecord], inputs: list, targets: list[tuple[Ref, torch.Tensor]]) -> None:
-    """Execute recorded ops per-op and copy the values of ``targets`` refs into their tensors.
+def run_eagerly(ops: Iterable[OpRecord], inputs: list,
+                targets: list[tuple[Ref, torch.Tensor]]) -> float:
+    """Execute recorded ops per-op and copy the values of ``targets`` refs into their tensors;
+    return the seconds spent inside the ops.
 
-    Used when a deferred segment cannot run fused (divergence, kernel failure): the results are
-    exactly what eager would have computed, written into the buffers the user already holds."""
+    Used when a deferred segment does not run fused (divergence, kernel failure, a timed
+    trial): the results are exactly what eager would have computed, written into the buffers
+    the user already holds."""
     values: dict[Ref, torch.Tensor] = {}
+    seconds = 0.0
 
     def tensor_of(arg: TensorArg) -> torch.Tensor:
         return inputs[arg.ref[1]] if arg.ref[0] == "in" else values[arg.ref]
 
     for index, op in enumerate(ops):
         args, kwargs = _decode_call(op, tensor_of)
+        started = time.perf_counter()
         out = op.func(*args, **kwargs)
+        seconds += time.perf_counter() - started
         if op.kind is OpKind.MUTATING:
             continue
         for out_index, tensor in enumerate(flatten_outputs(out)[1]):
             values[("out", index, out_index)] = tensor
     for ref, target in targets:
         target.copy_(values[ref])
+    return seconds
 
 
 def _decode_call(op: OpRecord, tensor_of) -> tuple[list, dict]:

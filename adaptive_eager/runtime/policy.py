@@ -41,7 +41,8 @@ from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, Variant
 
 MIN_COMPUTE_OPS = 2   # a single op gains nothing from fusion and pays the hot-path overhead
-PROFIT_SAMPLES = 3    # fused runs timed (after a first, warm-up run) before judging a kernel
+PROFIT_SAMPLES = 3    # fused runs timed (after a first, warm-up run) before judging a kernel,
+                      # each beside a plain eager run (Note [Side by side])
 PROFIT_MARGIN = 0.10  # a kernel must beat per-op by this fraction to be kept
 TIMING_SAMPLES = 8    # recent wall times kept per key and mode
 CHURN_VARIANTS = 3    # new keys of a structure with this many shapes: see KeyEntry.churning
@@ -77,6 +78,8 @@ class KeyEntry:
                                            # (the first runs pay one-time costs)
     eager_samples: list = dataclasses.field(default_factory=list)   # per-op run wall times
     fused_samples: list = dataclasses.field(default_factory=list)   # fused run wall times
+    control_samples: list = dataclasses.field(default_factory=list)  # plain eager runs beside
+                                                                     # them (Note [Side by side])
     judged: bool = False               # profitability decided
     retimed: bool = False              # lost its first profit trial; timed once more
     structure: Any = None              # its Structure
@@ -99,8 +102,11 @@ class KeyEntry:
 
     @property
     def eager_ms(self) -> float | None:
-        """Median wall time of a per-op run (under the runtime), recent runs."""
-        return statistics.median(self.eager_samples) * 1e3 if self.eager_samples else None
+        """Median time of a per-op run: of plain eager runs timed beside its kernel's (Note
+        [Side by side]) once there are some, else of per-op runs under the runtime (which
+        also pay for interception), recent runs."""
+        samples = self.control_samples or self.eager_samples
+        return statistics.median(samples) * 1e3 if samples else None
 
     @property
     def fused_ms(self) -> float | None:
@@ -758,32 +764,56 @@ class KeyTable:
         entry.fused_runs += 1
         entry.add_sample(entry.fused_samples, seconds)
         self._note(entry, fused_runs=1, fused_ms=entry.fused_ms)
-        if not entry.judged and len(entry.fused_samples) > PROFIT_SAMPLES \
-                and not config.KEEP_UNPROFITABLE:
-            self._judge(variant)
+        self._judge_when_timed(variant)
         self.maybe_flush()
 
-    def _judge(self, variant: Variant) -> None:
-        """Keep a kernel only if its runs beat plain eager by PROFIT_MARGIN. Plain eager's
-        time is estimated by the time spent inside the ops of the per-op runs (their wall time
-        under the runtime also pays for interception, which pausing can take away).
+    # Note [Side by side]: a kernel's runs are compared with plain eager runs of the same
+    # segment at the same moment, not with the per-op runs seen before it was compiled: those
+    # came seconds earlier, when the machine may have been more or less busy (a shared machine
+    # here varies by 2x within a minute, and one kernel ~20% faster than eager was dropped
+    # in one of two runs that way). While a kernel is on trial, its runs alternate with runs
+    # of the deferred segment per-op (the ops' own time, as a paused program would spend it),
+    # PROFIT_SAMPLES of each after the warm-up run. Per-op runs give eager's results exactly,
+    # and the trial costs nothing against eager.
 
-        A kernel that loses is timed once more (PROFIT_SAMPLES new runs) before it is
-        dropped: the verdict is for good, and other processes read it from the disk cache,
-        yet three runs can all fall in one busy moment of a shared machine (a LayerNorm
-        kernel ~5x faster than eager was dropped once in a benchmark run)."""
+    def wants_eager_run(self, variant: Variant) -> bool:
+        """Should this deferred run of ``variant`` go per-op, timed beside its kernel's?"""
+        entry = variant.entry
+        if entry.judged or config.KEEP_UNPROFITABLE or variant.on_probation:
+            return False
+        timed_fused = len(entry.fused_samples) - 1            # after the warm-up run
+        return len(entry.control_samples) < PROFIT_SAMPLES and \
+            len(entry.control_samples) <= timed_fused
+
+    def touch_eager(self, variant: Variant, seconds: float) -> None:
+        """A per-op run of ``variant``'s segment on trial took ``seconds`` inside its ops."""
+        variant.entry.add_sample(variant.entry.control_samples, seconds)
+        self._judge_when_timed(variant)
+
+    def _judge_when_timed(self, variant: Variant) -> None:
+        entry = variant.entry
+        if not entry.judged and not config.KEEP_UNPROFITABLE and \
+                len(entry.fused_samples) > PROFIT_SAMPLES and \
+                len(entry.control_samples) >= PROFIT_SAMPLES:
+            self._judge(variant)
+
+    def _judge(self, variant: Variant) -> None:
+        """Keep a kernel only if its runs beat plain eager's beside them by PROFIT_MARGIN.
+
+        A kernel that loses is timed once more (PROFIT_SAMPLES new pairs of runs) before it
+        is dropped: the verdict is for good, and other processes read it from the disk
+        cache."""
         entry = variant.entry
         entry.judged = True
-        if entry.eager_ms is None:
-            return
-        eager_ms = min(entry.eager_ms, entry.compute_seconds * 1e3)
-        if entry.fused_ms <= eager_ms * (1 - PROFIT_MARGIN):
+        eager_ms = entry.eager_ms
+        if eager_ms is None or entry.fused_ms <= eager_ms * (1 - PROFIT_MARGIN):
             return
         if not entry.retimed:
             decide("profit_retimed", key=entry.digest, fused_ms=round(entry.fused_ms, 3),
                    eager_ms=round(eager_ms, 3))
             entry.retimed, entry.judged = True, False
             del entry.fused_samples[1:]                # keep the warm-up run's, time anew
+            entry.control_samples.clear()
             return
         with self._lock:
             self._drop_kernel(variant)
@@ -791,8 +821,8 @@ class KeyTable:
             entry.reason = f"fused {entry.fused_ms:.3f} ms vs eager {eager_ms:.3f} ms"
         counters.fallback("unprofitable")
         decide("unprofitable", key=entry.digest, fused_ms=round(entry.fused_ms, 3),
-               eager_ms=round(eager_ms, 3))      # what was compared: a wall time can be more
-        self._note(entry, state=entry.state.value, reason=entry.reason)
+               eager_ms=round(eager_ms, 3))
+        self._note(entry, state=entry.state.value, reason=entry.reason, eager_ms=eager_ms)
 
     # ------------------------------------------------------------------ failures
 

@@ -47,7 +47,7 @@ class SlowKernels(CountingCompiler):
 def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings():
     x = torch.randn(64)
     with use_compiler(SlowKernels()), config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
-        outs = [chain(x) for _ in range(12)]
+        outs = [chain(x) for _ in range(16)]
     for out in outs:
         assert_equal(out, chain(x))
     [entry] = engine.shared_table().entries()
@@ -55,7 +55,9 @@ def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings():
     assert entry.fused_ms > 20 and entry.eager_ms < 20
     assert "fused" in entry.reason and "eager" in entry.reason
     stats = ae.stats()
-    assert stats.fused_executions == 7     # 1 warm-up + 3 timed runs, lost; 3 more, lost
+    # 2 per-op runs make it hot; a checked warm-up run; 3 timed runs, each beside a plain
+    # eager run, lost; 3 more pairs, lost; then per-op for good (1 run here)
+    assert stats.fused_executions == 7 and len(entry.control_samples) == 3
     assert stats.fallbacks["unprofitable"] == 1
     ae.reset()                                        # persisted for the next process
     [record] = Store(config.CACHE_DIR).records()
@@ -71,19 +73,52 @@ def _kernel_of_chain(x):
     return table, variant
 
 
-def test_a_kernel_is_judged_against_plain_eager_not_the_intercepted_per_op_path():
-    """Per-op runs under the runtime also pay for interception; a kernel that only beats
-    that, not the ops' own time, would keep the program slower than plain eager."""
+def test_a_kernel_on_trial_alternates_with_plain_eager_runs_of_its_segment(monkeypatch):
+    """Note [Side by side]: the kernel is compared with eager at the same moment. Its runs
+    alternate with per-op runs (eager's results exactly), PROFIT_SAMPLES of each."""
+    x = torch.randn(64)
+    eager_runs = []
+    table = engine.shared_table()
+    touch_eager = table.touch_eager
+    monkeypatch.setattr(table, "touch_eager",
+                        lambda variant, seconds: (eager_runs.append(seconds),
+                                                  touch_eager(variant, seconds)))
+    with config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
+        runs = []
+        for _ in range(2 + 1 + 2 * policy.PROFIT_SAMPLES):
+            fused_before, eager_before = ae.stats().fused_executions, len(eager_runs)
+            out = chain(x)
+            ae.sync()                                 # the deferred run ends here
+            runs.append((out, ae.stats().fused_executions - fused_before,
+                         len(eager_runs) - eager_before))
+    for out, _, _ in runs:
+        assert_equal(out, chain(x))
+    kinds = ["fused" if fused else "eager" if eager else "cold" for _, fused, eager in runs]
+    assert kinds == ["cold", "cold", "fused", "eager", "fused", "eager", "fused", "eager",
+                     "fused"]
+    [entry] = table.entries()
+    assert len(eager_runs) == 3 and all(seconds > 0 for seconds in eager_runs)
+    assert entry.judged or entry.retimed              # a verdict, or a second trial
+
+
+def test_a_kernel_is_judged_against_plain_eager_timed_beside_it():
+    """Per-op runs under the runtime also pay for interception, and the cold runs came
+    seconds before the kernel, on a machine perhaps more or less busy: the profit check
+    compares with the ops' own time in per-op runs interleaved with the kernel's."""
     x = torch.randn(64)
     with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
         table, variant = _kernel_of_chain(x)
-    entry = variant.entry
-    entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.002   # 8 ms of interception
-    entry.fused_samples, entry.judged = [0.005] * 4, False            # beats 10 ms, not 2 ms
-    entry.retimed = True                                              # its second trial
-    table._judge(variant)
-    assert entry.state is KeyState.UNPROFITABLE and "eager 2.000 ms" in entry.reason
-    assert variant not in table.kernels.values()
+        entry = variant.entry
+        entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.001   # a calm moment,
+        entry.control_samples = [0.008] * 3                               # then a busy one
+        entry.fused_samples, entry.judged = [0.005] * 4, False
+        table._judge(variant)
+        assert entry.state is KeyState.READY and entry.judged             # 5 ms vs 8 ms: kept
+        entry.control_samples, entry.judged = [0.002] * 3, False          # beats 10 ms, not 2
+        entry.retimed = True                                              # its second trial
+        table._judge(variant)
+        assert entry.state is KeyState.UNPROFITABLE and "eager 2.000 ms" in entry.reason
+        assert variant not in table.kernels.values()
 
 
 def test_a_kernel_that_loses_its_first_trial_is_timed_once_more():
@@ -93,13 +128,15 @@ def test_a_kernel_that_loses_its_first_trial_is_timed_once_more():
     with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
         table, variant = _kernel_of_chain(x)
         entry = variant.entry
-        entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.010
+        entry.control_samples = [0.010] * 3
         entry.fused_samples, entry.judged = [0.030] + [0.020] * 3, False   # a busy moment
         table._judge(variant)
         assert entry.state is KeyState.READY and entry.retimed and not entry.judged
+        assert entry.control_samples == [] and len(entry.fused_samples) == 1
         with config.patch(KEEP_UNPROFITABLE=False):
             for _ in range(3):
                 table.touch(variant, 0.004)                            # the kernel's own time
+                table.touch_eager(variant, 0.010)
         assert entry.judged and entry.state is KeyState.READY and entry.fused_ms == 4.0
         assert variant in table.kernels.values()
     assert "unprofitable" not in ae.stats().fallbacks
