@@ -153,6 +153,14 @@ class KeyEntry:
             del samples[1:2]               # keep the first (warm-up) and the latest
 
     @property
+    def saving_s(self) -> float | None:
+        """Seconds one fused run saves against plain eager (negative: it costs), once the
+        kernel is judged side by side; None before."""
+        if not self.judged or self.eager_ms is None or self.fused_ms is None:
+            return None
+        return (self.eager_ms - self.fused_ms) / 1e3
+
+    @property
     def saved_seconds(self) -> float:
         """Time fusion saved so far: (per-op time - fused time) x fused runs."""
         if self.eager_ms is None or self.fused_ms is None:

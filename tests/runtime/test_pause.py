@@ -171,6 +171,31 @@ def test_small_dynamic_segments_beside_a_kernel_do_not_pause_the_loop(pausing, c
     assert_equal(out, ((big * 2 + 1).sin() * 3).cos())
 
 
+@pytest.mark.parametrize("eager_s, pauses", [(0.0, True), (1.0, False)])
+def test_a_kernel_keeps_the_runtime_on_only_while_it_pays_for_the_interception_around_it(
+        pausing, compiler, eager_s, pauses):
+    """Each iteration: a kernel, and per-op work that is never fused (a new scalar each
+    time). Intercepting that work costs more than the kernel saves when plain eager ran its
+    segment in no time (eager_s=0): the runtime pauses, and everything runs plain eager.
+    When the kernel saves a second a run, it keeps the runtime on."""
+    x, y = torch.randn(64), torch.randn(64)
+    with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, KEEP_UNPROFITABLE=True), \
+            ae.enabled():
+        for step in range(3):
+            chain = ((x * 2 + 1).sin() * 3).cos().sum()
+            chain.item()
+        [variant] = engine.shared_table().kernels.values()
+        entry = variant.entry
+        entry.judged, entry.control_samples = True, [eager_s]  # as judged side by side
+        for step in range(60):
+            chain = ((x * 2 + 1).sin() * 3).cos().sum()
+            chain.item()
+            ((y + step) * 2).exp().sum().item()               # a new key each iteration
+    assert (ae.stats().pauses > 0) is pauses
+    assert ae.stats().fused_executions >= (3 if pauses else 60)
+    assert_equal(chain, ((x * 2 + 1).sin() * 3).cos().sum())
+
+
 def test_paused_block_is_plain_eager_and_keeps_the_kernels(compiler):
     x = torch.randn(64)
 
