@@ -196,6 +196,24 @@ def test_a_kernel_keeps_the_runtime_on_only_while_it_pays_for_the_interception_a
     assert_equal(chain, ((x * 2 + 1).sin() * 3).cos().sum())
 
 
+def test_the_programs_own_time_between_ops_is_not_taken_for_interception(pausing, compiler):
+    """A per-op segment that spans 10 ms of the program's own work (here a sleep) costs
+    little interception: a kernel saving 5 ms a run pays for it and keeps the runtime on."""
+    x, y = torch.randn(64), torch.randn(64)
+    with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, KEEP_UNPROFITABLE=True), \
+            ae.enabled():
+        for step in range(3):
+            ((x * 2 + 1).sin() * 3).cos().sum().item()
+        [variant] = engine.shared_table().kernels.values()
+        variant.entry.judged, variant.entry.control_samples = True, [0.005]
+        for step in range(40):
+            ((x * 2 + 1).sin() * 3).cos().sum().item()
+            scaled = y * step                                    # a new key each iteration,
+            time.sleep(0.01)                                     # over 10 ms of the program's
+            (scaled + 1).exp().sum().item()                      # own time
+    assert ae.stats().pauses == 0 and ae.stats().fused_executions >= 40
+
+
 def test_paused_block_is_plain_eager_and_keeps_the_kernels(compiler):
     x = torch.randn(64)
 
