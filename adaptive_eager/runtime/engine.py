@@ -67,14 +67,14 @@ PAUSE_LONGEST_S = 64.0    # ...up to this
 # and on a small machine each step watched meanwhile costs about twice a plain step (keys not
 # yet hot are found after the pause).
 HOPELESS_WEIGHT = 8
+CHURN_WEIGHT = 32
+CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT
+MIN_QUIET_SEGMENTS = 4
 # Interception charged to a per-op segment (Runtime._watch_kernel) is its wall time beyond its
 # ops' own, at most this per op: about twice what recording costs here (~40-75 us an op), so
 # the program's own code between two ops of a segment (data loading, logging) is not taken
 # for interception.
 MOST_INTERCEPTION_S_PER_OP = 100e-6
-CHURN_WEIGHT = 32
-CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT
-MIN_QUIET_SEGMENTS = 4
 
 _shared_lock = threading.Lock()
 reinit_in_child(_shared_lock)   # Note [Fork]
@@ -416,10 +416,10 @@ class Runtime:
     def _watch_kernel(self, variant) -> None:
         """Note [Pausing]: a kernel keeps the runtime intercepting only while what its runs
         save pays for the interception of the per-op segments around them (their wall time
-        beyond their ops' own, up to MOST_INTERCEPTION_S_PER_OP an op). A
-        kernel saving ~1.4 ms a step beside ~50 intercepted ops a step held off every pause
-        of a wide MLP's training, which ran 15% slower than eager. A kernel not yet judged
-        (Note [Side by side]) is given the benefit of the doubt."""
+        beyond their ops' own, up to MOST_INTERCEPTION_S_PER_OP an op). A kernel saving
+        ~1.4 ms a step beside ~50 intercepted ops a step held off every pause of a wide MLP's
+        training, which ran 11-15% slower than eager. A kernel not yet judged (Note [Side by
+        side]) is given the benefit of the doubt."""
         saving = variant.entry.saving_s
         if saving is None:
             self.unpaid_s = 0.0
