@@ -505,15 +505,14 @@ class Runtime:
         variant = self._pick_variant(node, builder, live)
         if variant is not None and self.table.wants_eager_run(variant):
             self._run_beside(variant, builder, live)
-            self._builder = None
-            self._watch_kernel(variant)
-            return True
-        try:
-            fused = variant is not None and self._run_fused(variant, builder)
-        except VerificationError:
-            self._builder = None               # finished per-op; the user gets the error
-            raise
-        if fused:
+            finished = True
+        else:
+            try:
+                finished = variant is not None and self._run_fused(variant, builder)
+            except VerificationError:
+                self._builder = None           # finished per-op; the user gets the error
+                raise
+        if finished:
             self._builder = None
             self._watch_kernel(variant)
             return True

@@ -152,20 +152,24 @@ class KeyEntry:
         if len(samples) > TIMING_SAMPLES:
             del samples[1:2]               # keep the first (warm-up) and the latest
 
+    def _run_saving_s(self) -> float | None:
+        """(per-op time - fused time) of one run, in seconds; None until both are timed.
+        Each median is taken once: this runs at every fused run (Runtime._watch_kernel)."""
+        eager_ms, fused_ms = self.eager_ms, self.fused_ms
+        if eager_ms is None or fused_ms is None:
+            return None
+        return (eager_ms - fused_ms) / 1e3
+
     @property
     def saving_s(self) -> float | None:
         """Seconds one fused run saves against plain eager (negative: it costs), once the
         kernel is judged side by side; None before."""
-        if not self.judged or self.eager_ms is None or self.fused_ms is None:
-            return None
-        return (self.eager_ms - self.fused_ms) / 1e3
+        return self._run_saving_s() if self.judged else None
 
     @property
     def saved_seconds(self) -> float:
         """Time fusion saved so far: (per-op time - fused time) x fused runs."""
-        if self.eager_ms is None or self.fused_ms is None:
-            return 0.0
-        return (self.eager_ms - self.fused_ms) / 1e3 * self.fused_runs
+        return (self._run_saving_s() or 0.0) * self.fused_runs
 
 
 @dataclasses.dataclass(eq=False)

@@ -171,6 +171,15 @@ def test_small_dynamic_segments_beside_a_kernel_do_not_pause_the_loop(pausing, c
     assert_equal(out, ((big * 2 + 1).sin() * 3).cos())
 
 
+def _kernel_judged_against(x, eager_s: float) -> None:
+    """Run a chain on ``x`` until its kernel is in, then mark the kernel judged side by side
+    against a plain eager run of ``eager_s`` seconds."""
+    for _ in range(3):
+        ((x * 2 + 1).sin() * 3).cos().sum().item()
+    [variant] = engine.shared_table().kernels.values()
+    variant.entry.judged, variant.entry.control_samples = True, [eager_s]
+
+
 @pytest.mark.parametrize("eager_s, pauses", [(0.0, True), (1.0, False)])
 def test_a_kernel_keeps_the_runtime_on_only_while_it_pays_for_the_interception_around_it(
         pausing, compiler, eager_s, pauses):
@@ -181,12 +190,7 @@ def test_a_kernel_keeps_the_runtime_on_only_while_it_pays_for_the_interception_a
     x, y = torch.randn(64), torch.randn(64)
     with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, KEEP_UNPROFITABLE=True), \
             ae.enabled():
-        for step in range(3):
-            chain = ((x * 2 + 1).sin() * 3).cos().sum()
-            chain.item()
-        [variant] = engine.shared_table().kernels.values()
-        entry = variant.entry
-        entry.judged, entry.control_samples = True, [eager_s]  # as judged side by side
+        _kernel_judged_against(x, eager_s)
         for step in range(60):
             chain = ((x * 2 + 1).sin() * 3).cos().sum()
             chain.item()
@@ -202,10 +206,7 @@ def test_the_programs_own_time_between_ops_is_not_taken_for_interception(pausing
     x, y = torch.randn(64), torch.randn(64)
     with config.patch(MIN_SEGMENT_US=0, HOT_THRESHOLD=2, KEEP_UNPROFITABLE=True), \
             ae.enabled():
-        for step in range(3):
-            ((x * 2 + 1).sin() * 3).cos().sum().item()
-        [variant] = engine.shared_table().kernels.values()
-        variant.entry.judged, variant.entry.control_samples = True, [0.005]
+        _kernel_judged_against(x, 0.005)
         for step in range(40):
             ((x * 2 + 1).sin() * 3).cos().sum().item()
             scaled = y * step                                    # a new key each iteration,
