@@ -17,7 +17,7 @@ from adaptive_eager.dispatch.mode import AdaptiveMode
 from adaptive_eager.fork_safety import at_fork
 from adaptive_eager.runtime import engine
 from adaptive_eager.runtime.decisions import decide
-from adaptive_eager.runtime.policy import unfreeze_gc
+from adaptive_eager.runtime.policy import freeze_gc, unfreeze_gc
 from adaptive_eager.runtime.stats import Stats, counters
 
 _local = threading.local()
@@ -68,6 +68,7 @@ def enable() -> None:
     config.validate_all()
     _configure_logging()
     _register_exit_report()
+    freeze_gc("enable")
     control.install()
     runtime = engine.Runtime()
     mode = AdaptiveMode(runtime)
@@ -93,7 +94,7 @@ def disable() -> None:
         _paused_until.pop(runtime, None)
         escapes.uninstall()
         if not engine.live_runtimes():
-            unfreeze_gc()              # user objects frozen with Inductor's become collectable
+            unfreeze_gc()              # objects frozen since enable() become collectable
             engine.release_idle_resources()
 
 

@@ -169,8 +169,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CACHE_SIZE", _positive_int, lambda: 256,
             "Compiled kernels kept loaded in memory; the least recently used are evicted."),
     Setting("MAX_KEYS", _positive_int, lambda: 10000,
-            "Segment keys remembered in memory, with their recorded ops; past this the least "
-            "recently seen keys without a kernel are forgotten (their decisions stay on disk)."),
+            "Segment keys remembered in memory (with their recorded ops, but for keys seen once "
+            "only the last 64); past this the least recently seen keys without a kernel are "
+            "forgotten (their decisions stay on disk)."),
     Setting("CACHE_MAX_ENTRIES", _positive_int, lambda: 50000,
             "Segment records kept in the cache directory; past this the least recently used "
             "are removed with their artifacts, so disk use stays bounded."),

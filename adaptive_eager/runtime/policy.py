@@ -47,6 +47,10 @@ PROFIT_MARGIN = 0.10  # a kernel must beat per-op by this fraction to be kept
 TIMING_SAMPLES = 8    # recent wall times kept per key and mode
 CHURN_VARIANTS = 3    # new keys of a structure with this many shapes: see KeyEntry.churning
 GENERIC_VARIANTS = 3  # shapes of one structure a generic kernel is derived from
+# Note [Keys seen once]: a key is kept whole (its recorded ops, ~100-180 GC-tracked objects)
+# while it is among the last SEEN_ONCE_KEPT keys seen just once; older ones shrink to a
+# sighting (see KeyTable._shrink_seen_once).
+SEEN_ONCE_KEPT = 64
 NOT_LOADED = "compile_error: the worker's artifact did not load"
 
 
@@ -183,6 +187,7 @@ class Structure:
     generic_state: str = "none"        # none / compiling / ready / failed
     digest: str = ""                   # names its generic kernel in decisions
     waiting: list = dataclasses.field(default_factory=list)  # hot keys for the kernel
+    key: tuple = ()                    # its key in KeyTable._structures
 
     def remember(self, segment: Segment) -> None:
         self.variants += 1
@@ -250,24 +255,34 @@ class ThreadShare:
             self._saved = None
 
 
-_gc_frozen = False
+_frozen_at: set[str] = set()     # the moments this process froze the GC at (Note [GC stalls])
+_user_froze = False              # the program had frozen objects itself: never unfreeze them
 
 
-def freeze_gc_after_inductor() -> None:
-    """Note [GC stalls]: importing Inductor leaves ~377k long-lived objects that every full
-    collection walks again (~200 ms stalls, DESIGN.md). Freezing them once, after the first
-    kernel arrives, takes them out of collections. ``unfreeze_gc`` undoes it on disable()."""
-    global _gc_frozen
-    if not _gc_frozen:
-        _gc_frozen = True
-        gc.freeze()
+def freeze_gc(moment: str) -> None:
+    """Note [GC stalls]: a full collection walks every tracked object: ~165k after importing
+    torch (~90 ms here), ~377k once Inductor is imported (~200 ms stalls, DESIGN.md). The
+    recording path allocates far more objects per op than eager does, so it triggers full
+    collections eager would not; freezing what exists at ``moment`` ("enable": torch's own
+    objects; "inductor": after the first kernel arrives) takes them out of collections. Each
+    moment freezes once: objects frozen are still freed when unreferenced, only cycles among
+    them wait for ``unfreeze_gc`` (disable())."""
+    global _user_froze
+    if moment in _frozen_at:
+        return
+    if not _frozen_at and gc.get_freeze_count():
+        _user_froze = True
+    _frozen_at.add(moment)
+    gc.freeze()
 
 
 def unfreeze_gc() -> None:
-    global _gc_frozen
-    if _gc_frozen:
-        _gc_frozen = False
-        gc.unfreeze()
+    global _user_froze
+    if _frozen_at:
+        _frozen_at.clear()
+        if not _user_froze:          # theirs and ours cannot be told apart: keep both frozen
+            gc.unfreeze()
+        _user_froze = False
 
 
 _preparing: threading.Thread | None = None
@@ -334,6 +349,12 @@ class KeyTable:
         self._entries: OrderedDict[tuple, KeyEntry] = OrderedDict()   # least recently seen 1st
         # structure -> shape variants seen; an LRU so ever-new structures stay bounded
         self._structures = cachetools.LRUCache(maxsize=config.MAX_KEYS)
+        # Note [Keys seen once]: keys of _entries seen once, oldest first; and what is left of
+        # older ones, by hash(key)
+        self._seen_once: OrderedDict[tuple, None] = OrderedDict()
+        # (first_seen, megamorphic): a plain tuple of atoms, which the GC stops tracking (a
+        # NamedTuple it would track for good)
+        self._sightings: OrderedDict[int, tuple[float, bool]] = OrderedDict()
         self._lock = threading.RLock()
         self.worker: CompileWorker | None = None
         # request id -> KeyEntry, or (Structure, example segment) for a generic kernel
@@ -366,6 +387,8 @@ class KeyTable:
             else:
                 self._entries.move_to_end(segment.key)
             entry.seen += 1
+            if entry.seen == 2:
+                self._seen_once.pop(segment.key, None)
             if not entry.recalled and (entry.seen >= 2 or config.HOT_THRESHOLD <= 1):
                 self._recall(entry)
             entry.compute_seconds = min(entry.compute_seconds, compute_seconds)
@@ -379,6 +402,8 @@ class KeyTable:
             if entry.seen >= 2 or entry.state is not KeyState.COLD:   # a record is due
                 self._note(entry, seen=entry.seen - entry.seen_noted, eager_ms=entry.eager_ms)
                 entry.seen_noted = entry.seen
+            if entry.seen == 1 and len(self._seen_once) > SEEN_ONCE_KEPT:
+                self._shrink_seen_once()
         self.maybe_flush()
         return entry
 
@@ -406,11 +431,57 @@ class KeyTable:
         counters.add("keys_forgotten", len(forgettable))
 
     def _new_entry(self, segment: Segment) -> KeyEntry:
+        sighting = self._sightings.pop(hash(segment.key), None) if self._sightings else None
+        if sighting is not None:
+            return self._entry_seen_before(segment, sighting)
         counters.add("keys_seen")
         entry = KeyEntry(segment)
         if self._warm:
             self._recall(entry)
         self._count_shape_variant(entry)
+        self._seen_once[segment.key] = None
+        return entry
+
+    # Note [Keys seen once]
+    # Most keys of a long dynamic program are seen once: a new shape each step, or float
+    # scalars that change every step (AdamW's bias corrections make a new key for the tail of
+    # every foreach step). Keeping each whole up to MAX_KEYS kept ~1M GC-tracked objects after
+    # 4,000 AdamW steps, and full collections of them stalled the program for 0.1-0.5 s, longer
+    # as it ran. A second sight records the segment again, so nothing of the first recording is
+    # needed then but when it was first seen (and whether it was a megamorphic shape, so that
+    # its structure's count and its state do not change): past SEEN_ONCE_KEPT keys seen once,
+    # the oldest shrinks to that, under hash(key). Two keys with the same hash (2^-64 a pair)
+    # cost at most a compile: the second is taken for the first one seen again, turns hot a
+    # sight early, and is compiled from its own recording.
+
+    def _shrink_seen_once(self) -> None:
+        key, _ = self._seen_once.popitem(last=False)
+        entry = self._entries.get(key)
+        if entry is None or entry.seen != 1 or entry.generic or entry.artifact_path \
+                or entry.state not in (KeyState.COLD, KeyState.MEGAMORPHIC):
+            return                         # forgotten already, or more than a key seen once
+        del self._entries[key]
+        self._sightings[hash(key)] = (entry.first_seen, entry.state is KeyState.MEGAMORPHIC)
+        if len(self._sightings) > config.MAX_KEYS:
+            self._sightings.popitem(last=False)
+        structure = entry.structure
+        if structure.variants == 1 and structure.generic_state == "none":
+            self._structures.pop(structure.key, None)   # it never came in another shape
+        if self.disk is not None and entry.named:
+            self.disk.forget(entry.digest)
+
+    def _entry_seen_before(self, segment: Segment, sighting: tuple[float, bool]) -> KeyEntry:
+        """The entry of a key shrunk to ``sighting``, seen again: it counts as seen once
+        before; its structure counts it as the shape it already was."""
+        first_seen, megamorphic = sighting
+        entry = KeyEntry(segment, seen=1, first_seen=first_seen)
+        if megamorphic:
+            entry.state = KeyState.MEGAMORPHIC
+            entry.reason = f"more than {config.MAX_SHAPE_VARIANTS} shape variants"
+        key = structure_of(segment)
+        entry.structure = self._structures.get(key)
+        if entry.structure is None:
+            self._count_shape_variant(entry)
         return entry
 
     def _recall(self, entry: KeyEntry) -> None:
@@ -430,7 +501,7 @@ class KeyTable:
         key = structure_of(entry.segment)
         structure = self._structures.get(key)
         if structure is None:
-            structure = self._structures[key] = Structure()
+            structure = self._structures[key] = Structure(key=key)
         structure.remember(entry.segment)
         entry.structure = structure
         variants = structure.variants
@@ -754,7 +825,7 @@ class KeyTable:
 
     def _install(self, entry: KeyEntry, kernel) -> None:
         kernel = faults.damaged_kernel(kernel)
-        freeze_gc_after_inductor()
+        freeze_gc("inductor")
         entry.state = KeyState.READY
         variant = self.trie.insert(entry.segment, kernel, entry)
         self.kernels[entry.digest] = variant          # may evict the least recently used
@@ -900,5 +971,7 @@ class KeyTable:
                 self.disk.close()
             self._entries.clear()
             self._structures.clear()
+            self._seen_once.clear()
+            self._sightings.clear()
             self.trie.clear()
             self.kernels.clear()

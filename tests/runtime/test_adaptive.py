@@ -1,4 +1,5 @@
 """The adaptive policy's gates: too cheap to fuse, unprofitable kernels, megamorphic shapes."""
+import gc
 import time
 
 import pytest
@@ -203,3 +204,96 @@ def test_keys_seen_once_are_never_named(compiler, monkeypatch):
         for length in range(5, 25):
             chain(torch.randn(length)).sum().item()
     assert ae.stats().keys_seen >= 20 and named == []
+
+
+def scaled(x, scale: float):
+    # A float scalar in the key: a new value is a new key (as AdamW's bias corrections are).
+    # .item() ends the segment, as a loss logged each step does.
+    out = ((x * scale + 1).sin() * 3).cos()
+    out.sum().item()
+    return out
+
+
+def test_keys_seen_once_shrink_yet_turn_hot_when_they_come_back(compiler):
+    # Note [Keys seen once]
+    x = torch.randn(8)
+    others = policy.SEEN_ONCE_KEPT + 40
+    with ae.enabled():
+        scaled(x, 0.5)
+        for step in range(others):
+            scaled(x, 1.0 + step)
+        assert len(engine.shared_table().entries()) <= policy.SEEN_ONCE_KEPT + 1
+        assert compiler.count == 0
+        again = [scaled(x, 0.5) for _ in range(3)]
+        [hot] = [entry for entry in engine.shared_table().entries() if entry.seen > 1]
+        # its second per-op run made it hot: the sighting counted as its first
+        assert hot.seen == 2 and hot.state is KeyState.READY
+    stats = ae.stats()
+    assert stats.keys_seen == others + 1             # the key that came back is not new
+    assert compiler.count == 1 and stats.fused_executions == 2
+    for out in again:
+        assert_equal(out, scaled(x, 0.5))
+
+
+def test_a_shape_shrunk_to_a_sighting_is_still_the_variant_it_was(compiler):
+    # The first shapes of a structure compile when they come back; those past
+    # MAX_SHAPE_VARIANTS stay megamorphic; coming back counts no new variant.
+    def step(x):
+        out = trimmed_chain(x)
+        out.sum().item()
+        return out
+
+    with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
+        for length in range(4, 4 + policy.SEEN_ONCE_KEPT + 8):
+            step(torch.randn(length))                 # seen once each, then shrunk
+        early, late = torch.randn(4), torch.randn(40)
+        outs = [(x, step(x)) for x in (early, late, early, late, early)]
+        by_length = {entry.segment.input_metas[0].shape[0]: entry
+                     for entry in engine.shared_table().entries()}
+        # per-op twice (the sighting is the first), then fused
+        assert by_length[4].state is KeyState.READY and by_length[4].seen == 2
+        assert by_length[40].state is KeyState.MEGAMORPHIC and by_length[40].seen == 3
+        assert by_length[4].structure.variants == policy.SEEN_ONCE_KEPT + 8
+    assert compiler.count == 1
+    for x, out in outs:
+        assert_equal(out, trimmed_chain(x))
+
+
+def _tracked_objects() -> int:
+    gc.collect()
+    return len(gc.get_objects())
+
+
+def test_ever_new_keys_keep_a_bounded_number_of_objects_alive(compiler):
+    # Each key kept whole holds ~100-180 GC-tracked objects, and every full collection walks
+    # them all: before Note [Keys seen once], 4,000 AdamW steps kept ~1M, and collections
+    # stalled training for up to 0.5 s.
+    x = torch.randn(8)
+    with ae.enabled():
+        for step in range(200):
+            scaled(x, 1.0 + step)
+        after_200 = _tracked_objects()
+        for step in range(200, 1200):
+            scaled(x, 1.0 + step)
+        after_1200 = _tracked_objects()
+    assert ae.stats().keys_seen == 1200
+    assert after_1200 - after_200 < 500, (after_200, after_1200)
+
+
+def test_enable_takes_the_objects_already_alive_out_of_full_collections():
+    # Note [GC stalls]: torch's own ~165k objects cost ~90 ms a full collection here.
+    assert gc.get_freeze_count() == 0
+    with ae.enabled():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0              # disable() gives them back
+
+
+def test_objects_the_program_froze_itself_stay_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with ae.enabled():
+            pass
+        assert gc.get_freeze_count() >= frozen
+    finally:
+        gc.unfreeze()
