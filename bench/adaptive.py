@@ -38,6 +38,9 @@ ROUNDS = 9
 # Fresh processes vary far more than rounds inside one: 20 eager steps of the small MLP took
 # 34-108 ms across 15 processes here (first touches of torch's code pages on a VM disk).
 FRESH_PROCESS_ROUNDS = 15
+# Each round of the new-length row starts a fresh runtime that watches its first 4 steps (~3 ms
+# of ~60): medians of 9 rounds gave ratios from 1.01 to 1.19 in four runs of one process here.
+VARIABLE_LENGTH_ROUNDS = 25
 
 
 def _timed(fn, steps: int) -> float:
@@ -83,7 +86,7 @@ def tiny_mlp(steps: int) -> dict:
     return {"case": "MLP at batch 1 (modules)", **_side_by_side(step, steps, warmup=400)}
 
 
-def variable_length(steps: int) -> dict:
+def variable_length(steps: int, rounds: int = VARIABLE_LENGTH_ROUNDS) -> dict:
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64))
     lengths = iter(())
@@ -100,7 +103,7 @@ def variable_length(steps: int) -> dict:
             return _timed(step, steps)
     timed(adaptive=False)                         # the allocator meets every shape once
     seconds, compiles = {False: [], True: []}, 0
-    for round_ in range(ROUNDS):                  # a fresh runtime and empty cache each round
+    for round_ in range(rounds):                  # a fresh runtime and empty cache each round
         with _empty_cache():
             for adaptive in (False, True) if round_ % 2 == 0 else (True, False):
                 seconds[adaptive].append(timed(adaptive))

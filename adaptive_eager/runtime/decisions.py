@@ -52,6 +52,12 @@ reinit_in_child(_lock)   # Note [Fork] (runtime/engine.py)
 _last: dict[tuple, list] = {}       # (decision, identity) -> [last time, suppressed count]
 
 
+def logged(decision: str) -> bool:
+    """Would ``decide(decision, ...)`` write a line? For fields that cost to compute (a key's
+    digest) in decisions made for keys that may never need one."""
+    return log.isEnabledFor(DECISIONS[decision][0])
+
+
 def decide(decision: str, **fields) -> None:
     """Log one decision (if its level is enabled and it is not a too-recent repeat)."""
     level, identity_field = DECISIONS[decision]

@@ -33,6 +33,7 @@ from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS, without_shapes
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
 from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file
 from adaptive_eager.runtime.decisions import decide
+from adaptive_eager.runtime.decisions import logged as decision_logged
 from adaptive_eager.runtime.describe import key_parts, op_lines
 from adaptive_eager.runtime.generic import fits, generalize
 from adaptive_eager.runtime.generic import from_wire as from_generic_wire
@@ -399,9 +400,8 @@ class KeyTable:
                 self._serve_generically(entry)
             elif entry.state is KeyState.COLD and entry.seen >= threshold:
                 self._turn_hot(entry)
-            if entry.seen >= 2 or entry.state is not KeyState.COLD:   # a record is due
-                self._note(entry, seen=entry.seen - entry.seen_noted, eager_ms=entry.eager_ms)
-                entry.seen_noted = entry.seen
+            if entry.seen >= 2 or entry.state not in (KeyState.COLD, KeyState.MEGAMORPHIC):
+                self._note_sightings(entry)               # a record is due
             if entry.seen == 1 and len(self._seen_once) > SEEN_ONCE_KEPT:
                 self._shrink_seen_once()
         self.maybe_flush()
@@ -509,8 +509,8 @@ class KeyTable:
             entry.state = KeyState.MEGAMORPHIC
             entry.reason = f"more than {config.MAX_SHAPE_VARIANTS} shape variants"
             counters.fallback("megamorphic")
-            decide("megamorphic", key=entry.digest, variants=variants)
-            self._note(entry, state=entry.state.value, reason=entry.reason)
+            if decision_logged("megamorphic"):   # else no name: most are seen once (~0.1 ms)
+                decide("megamorphic", key=entry.digest, variants=variants)
 
     def _apply_history(self, entry: KeyEntry, record: SegmentRecord) -> None:
         """What an earlier process learned about this key (one that has no kernel yet)."""
@@ -935,6 +935,14 @@ class KeyTable:
         self.kernels.pop(variant.entry.digest, None)
 
     # ------------------------------------------------------------------ persistence
+
+    def _note_sightings(self, entry: KeyEntry) -> None:
+        fields = {"seen": entry.seen - entry.seen_noted, "eager_ms": entry.eager_ms}
+        if entry.state is KeyState.MEGAMORPHIC and not entry.seen_noted:
+            # not noted when it turned megamorphic: a key seen once is worth no record
+            fields.update(state=entry.state.value, reason=entry.reason)
+        self._note(entry, **fields)
+        entry.seen_noted = entry.seen
 
     def _note(self, entry: KeyEntry, **fields) -> None:
         if self.disk is not None:

@@ -197,13 +197,26 @@ def test_a_new_sequence_length_every_step_compiles_nothing(compiler, lengths):
 
 
 def test_keys_seen_once_are_never_named(compiler, monkeypatch):
-    # A digest costs ~0.1 ms; ever-new shapes make keys seen once that need no name.
+    # A digest costs ~0.1 ms; ever-new shapes make keys seen once that need no name, not even
+    # those past MAX_SHAPE_VARIANTS (megamorphic).
     named = []
     monkeypatch.setattr(policy, "stable_digest", lambda key: named.append(key) or "0" * 16)
-    with config.patch(MAX_SHAPE_VARIANTS=1000), ae.enabled():
+    with config.patch(MAX_SHAPE_VARIANTS=4), ae.enabled():
         for length in range(5, 25):
             chain(torch.randn(length)).sum().item()
-    assert ae.stats().keys_seen >= 20 and named == []
+    stats = ae.stats()
+    assert stats.keys_seen >= 20 and stats.fallbacks["megamorphic"] >= 10 and named == []
+
+
+def test_a_megamorphic_key_seen_again_is_recorded_as_megamorphic(compiler):
+    with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
+        for length in range(5, 10):
+            trimmed_chain(torch.randn(length)).sum().item()
+        x = torch.randn(9)                                # the last: megamorphic
+        trimmed_chain(x).sum().item()
+    [record] = Store(config.CACHE_DIR).records()
+    assert record.state == "megamorphic" and record.seen == 2
+    assert "shape variants" in record.reason
 
 
 def scaled(x, scale: float):
