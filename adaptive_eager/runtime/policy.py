@@ -32,8 +32,7 @@ from adaptive_eager.config import config, small_machine
 from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS, without_shapes
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
 from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file
-from adaptive_eager.runtime.decisions import decide
-from adaptive_eager.runtime.decisions import logged as decision_logged
+from adaptive_eager.runtime.decisions import decide, logged as decision_logged
 from adaptive_eager.runtime.describe import key_parts, op_lines
 from adaptive_eager.runtime.generic import fits, generalize
 from adaptive_eager.runtime.generic import from_wire as from_generic_wire
@@ -337,6 +336,11 @@ def structure_of(segment: Segment) -> tuple:
                                    for op in segment.ops), segment.live_refs)
 
 
+def _make_megamorphic(entry: KeyEntry) -> None:
+    entry.state = KeyState.MEGAMORPHIC
+    entry.reason = f"more than {config.MAX_SHAPE_VARIANTS} shape variants"
+
+
 def _overlaps_itself(meta) -> bool:
     return any(stride == 0 and size > 1 for size, stride in zip(meta.shape, meta.stride))
 
@@ -446,7 +450,7 @@ class KeyTable:
     # Most keys of a long dynamic program are seen once: a new shape each step, or float
     # scalars that change every step (AdamW's bias corrections make a new key for the tail of
     # every foreach step). Keeping each whole up to MAX_KEYS kept ~1M GC-tracked objects after
-    # 4,000 AdamW steps, and full collections of them stalled the program for 0.1-0.5 s, longer
+    # 4,000 AdamW steps, and full collections of them stalled the program for 0.2-0.5 s, longer
     # as it ran. A second sight records the segment again, so nothing of the first recording is
     # needed then but when it was first seen (and whether it was a megamorphic shape, so that
     # its structure's count and its state do not change): past SEEN_ONCE_KEPT keys seen once,
@@ -476,8 +480,7 @@ class KeyTable:
         first_seen, megamorphic = sighting
         entry = KeyEntry(segment, seen=1, first_seen=first_seen)
         if megamorphic:
-            entry.state = KeyState.MEGAMORPHIC
-            entry.reason = f"more than {config.MAX_SHAPE_VARIANTS} shape variants"
+            _make_megamorphic(entry)
         key = structure_of(segment)
         entry.structure = self._structures.get(key)
         if entry.structure is None:
@@ -506,8 +509,7 @@ class KeyTable:
         entry.structure = structure
         variants = structure.variants
         if variants > config.MAX_SHAPE_VARIANTS and entry.state is KeyState.COLD:
-            entry.state = KeyState.MEGAMORPHIC
-            entry.reason = f"more than {config.MAX_SHAPE_VARIANTS} shape variants"
+            _make_megamorphic(entry)
             counters.fallback("megamorphic")
             if decision_logged("megamorphic"):   # else no name: most are seen once (~0.1 ms)
                 decide("megamorphic", key=entry.digest, variants=variants)
