@@ -336,6 +336,13 @@ def structure_of(segment: Segment) -> tuple:
                                    for op in segment.ops), segment.live_refs)
 
 
+def _bounded_put(table: OrderedDict, key, value) -> None:
+    """``table[key] = value``, dropping the oldest past MAX_KEYS."""
+    table[key] = value
+    if len(table) > config.MAX_KEYS:
+        table.popitem(last=False)
+
+
 def _make_megamorphic(entry: KeyEntry) -> None:
     entry.state = KeyState.MEGAMORPHIC
     entry.reason = f"more than {config.MAX_SHAPE_VARIANTS} shape variants"
@@ -360,6 +367,9 @@ class KeyTable:
         # (first_seen, megamorphic): a plain tuple of atoms, which the GC stops tracking (a
         # NamedTuple it would track for good)
         self._sightings: OrderedDict[int, tuple[float, bool]] = OrderedDict()
+        # hash(structure key) -> shapes it was seen in, for structures dropped with their one
+        # key: the count goes on when another shape comes (Note [Megamorphic])
+        self._structure_counts: OrderedDict[int, int] = OrderedDict()
         self._lock = threading.RLock()
         self.worker: CompileWorker | None = None
         # request id -> KeyEntry, or (Structure, example segment) for a generic kernel
@@ -465,12 +475,13 @@ class KeyTable:
                 or entry.state not in (KeyState.COLD, KeyState.MEGAMORPHIC):
             return                         # forgotten already, or more than a key seen once
         del self._entries[key]
-        self._sightings[hash(key)] = (entry.first_seen, entry.state is KeyState.MEGAMORPHIC)
-        if len(self._sightings) > config.MAX_KEYS:
-            self._sightings.popitem(last=False)
+        _bounded_put(self._sightings, hash(key),
+                     (entry.first_seen, entry.state is KeyState.MEGAMORPHIC))
         structure = entry.structure
         if structure.variants == 1 and structure.generic_state == "none":
-            self._structures.pop(structure.key, None)   # it never came in another shape
+            # it came in no other shape (yet): keep only its count, not its recording
+            self._structures.pop(structure.key, None)
+            _bounded_put(self._structure_counts, hash(structure.key), structure.variants)
         if self.disk is not None and entry.named:
             self.disk.forget(entry.digest)
 
@@ -504,7 +515,8 @@ class KeyTable:
         key = structure_of(entry.segment)
         structure = self._structures.get(key)
         if structure is None:
-            structure = self._structures[key] = Structure(key=key)
+            counted = self._structure_counts.pop(hash(key), 0) if self._structure_counts else 0
+            structure = self._structures[key] = Structure(variants=counted, key=key)
         structure.remember(entry.segment)
         entry.structure = structure
         variants = structure.variants
@@ -983,5 +995,6 @@ class KeyTable:
             self._structures.clear()
             self._seen_once.clear()
             self._sightings.clear()
+            self._structure_counts.clear()
             self.trie.clear()
             self.kernels.clear()

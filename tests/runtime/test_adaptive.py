@@ -310,3 +310,17 @@ def test_objects_the_program_froze_itself_stay_frozen():
         assert gc.get_freeze_count() >= frozen
     finally:
         gc.unfreeze()
+
+
+def test_a_structure_dropped_with_its_one_shape_keeps_counting_shapes(compiler):
+    # Its first shape shrank to a sighting (and its structure to a count) long before the
+    # next shapes came: they are still its second and third, so the third is past the limit.
+    x = torch.randn(8)
+    with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
+        trimmed_chain(torch.randn(4)).sum().item()
+        for step in range(policy.SEEN_ONCE_KEPT + 8):
+            scaled(x, 1.0 + step)
+        assert ae.stats().fallbacks.get("megamorphic", 0) == 0
+        trimmed_chain(torch.randn(5)).sum().item()
+        trimmed_chain(torch.randn(6)).sum().item()
+    assert ae.stats().fallbacks["megamorphic"] == 1
