@@ -492,11 +492,18 @@ class KeyTable:
         entry = KeyEntry(segment, seen=1, first_seen=first_seen)
         if megamorphic:
             _make_megamorphic(entry)
-        key = structure_of(segment)
-        entry.structure = self._structures.get(key)
-        if entry.structure is None:
-            self._count_shape_variant(entry)
+        entry.structure = self._structure(structure_of(segment))
+        if not entry.structure.variants:        # forgotten with its count: count it again
+            entry.structure.remember(segment)
         return entry
+
+    def _structure(self, key: tuple) -> Structure:
+        """The Structure of ``key``; a dropped one comes back with its count."""
+        structure = self._structures.get(key)
+        if structure is None:
+            counted = self._structure_counts.pop(hash(key), 0) if self._structure_counts else 0
+            structure = self._structures[key] = Structure(variants=counted, key=key)
+        return structure
 
     def _recall(self, entry: KeyEntry) -> None:
         """Apply what earlier processes stored about ``entry``. Not before it is needed
@@ -512,11 +519,7 @@ class KeyTable:
         """Note [Megamorphic]: keys that differ only in shapes and strides share a structure.
         Past MAX_SHAPE_VARIANTS of one structure, new ones are not compiled, which bounds the
         compiles of a loop over ever-new shapes."""
-        key = structure_of(entry.segment)
-        structure = self._structures.get(key)
-        if structure is None:
-            counted = self._structure_counts.pop(hash(key), 0) if self._structure_counts else 0
-            structure = self._structures[key] = Structure(variants=counted, key=key)
+        structure = self._structure(structure_of(entry.segment))
         structure.remember(entry.segment)
         entry.structure = structure
         variants = structure.variants

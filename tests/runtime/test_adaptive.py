@@ -239,8 +239,9 @@ def test_keys_seen_once_shrink_yet_turn_hot_when_they_come_back(compiler):
         assert compiler.count == 0
         again = [scaled(x, 0.5) for _ in range(3)]
         [hot] = [entry for entry in engine.shared_table().entries() if entry.seen > 1]
-        # its second per-op run made it hot: the sighting counted as its first
-        assert hot.seen == 2 and hot.state is KeyState.READY
+        # its second per-op run made it hot: the sighting counted as its first; its structure
+        # (dropped with it, a shape seen once) still counts one shape
+        assert hot.seen == 2 and hot.state is KeyState.READY and hot.structure.variants == 1
     stats = ae.stats()
     assert stats.keys_seen == others + 1             # the key that came back is not new
     assert compiler.count == 1 and stats.fused_executions == 2
