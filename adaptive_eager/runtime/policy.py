@@ -415,7 +415,7 @@ class KeyTable:
             elif entry.state is KeyState.COLD and entry.seen >= threshold:
                 self._turn_hot(entry)
             if entry.seen >= 2 or entry.state not in (KeyState.COLD, KeyState.MEGAMORPHIC):
-                self._note_sightings(entry)               # a record is due
+                self._note_seen(entry)               # a record is due
             if entry.seen == 1 and len(self._seen_once) > SEEN_ONCE_KEPT:
                 self._shrink_seen_once()
         self.maybe_flush()
@@ -953,7 +953,7 @@ class KeyTable:
 
     # ------------------------------------------------------------------ persistence
 
-    def _note_sightings(self, entry: KeyEntry) -> None:
+    def _note_seen(self, entry: KeyEntry) -> None:
         fields = {"seen": entry.seen - entry.seen_noted, "eager_ms": entry.eager_ms}
         if entry.state is KeyState.MEGAMORPHIC and not entry.seen_noted:
             # not noted when it turned megamorphic: a key seen once is worth no record

@@ -219,12 +219,15 @@ def test_a_megamorphic_key_seen_again_is_recorded_as_megamorphic(compiler):
     assert "shape variants" in record.reason
 
 
-def scaled(x, scale: float):
-    # A float scalar in the key: a new value is a new key (as AdamW's bias corrections are).
-    # .item() ends the segment, as a loss logged each step does.
-    out = ((x * scale + 1).sin() * 3).cos()
+def logged(out):
+    """``out``, after an .item() of it ended its segment (as a loss logged each step does)."""
     out.sum().item()
     return out
+
+
+def scaled(x, scale: float):
+    # A float scalar in the key: a new value is a new key (as AdamW's bias corrections are).
+    return logged(((x * scale + 1).sin() * 3).cos())
 
 
 def test_keys_seen_once_shrink_yet_turn_hot_when_they_come_back(compiler):
@@ -252,16 +255,11 @@ def test_keys_seen_once_shrink_yet_turn_hot_when_they_come_back(compiler):
 def test_a_shape_shrunk_to_a_sighting_is_still_the_variant_it_was(compiler):
     # The first shapes of a structure compile when they come back; those past
     # MAX_SHAPE_VARIANTS stay megamorphic; coming back counts no new variant.
-    def step(x):
-        out = trimmed_chain(x)
-        out.sum().item()
-        return out
-
     with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
         for length in range(4, 4 + policy.SEEN_ONCE_KEPT + 8):
-            step(torch.randn(length))                 # seen once each, then shrunk
+            logged(trimmed_chain(torch.randn(length)))      # seen once each, then shrunk
         early, late = torch.randn(4), torch.randn(40)
-        outs = [(x, step(x)) for x in (early, late, early, late, early)]
+        outs = [(x, logged(trimmed_chain(x))) for x in (early, late, early, late, early)]
         by_length = {entry.segment.input_metas[0].shape[0]: entry
                      for entry in engine.shared_table().entries()}
         # per-op twice (the sighting is the first), then fused
