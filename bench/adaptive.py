@@ -38,6 +38,10 @@ ROUNDS = 9
 # Fresh processes vary far more than rounds inside one: 20 eager steps of the small MLP took
 # 34-108 ms across 15 processes here (first touches of torch's code pages on a VM disk).
 FRESH_PROCESS_ROUNDS = 15
+# The small MLP's processes fall into a fast (~40-50 ms) and a slow (~60-90 ms) group in both
+# modes, so a median of 15 pairs flips between them: three blocks of 15 pairs in one run gave
+# 1.39, 1.03 and 1.04, while the 45 pairs together gave 1.09 (quartile ratios 1.09-1.13).
+SMALL_MODEL_FRESH_ROUNDS = 45
 # Each round of the new-length row starts a fresh runtime that watches its first 4 steps (~3 ms
 # of ~60): medians of 9 rounds gave ratios from 1.01 to 1.19 in four runs of one process here.
 VARIABLE_LENGTH_ROUNDS = 25
@@ -193,7 +197,16 @@ def first_training_steps(width: int, batch: int, rounds: int = FRESH_PROCESS_ROU
                 raise RuntimeError(f"the {mode} process failed:\n{run.stderr}")
             seconds[mode].append(json.loads(run.stdout.strip().splitlines()[-1])["seconds"])
     return {"case": f"first 20 training steps, MLP {width}, batch {batch}", "eager_s":
-            statistics.median(seconds["eager"]), "adaptive_s": statistics.median(seconds["adaptive"])}
+            statistics.median(seconds["eager"]), "adaptive_s": statistics.median(seconds["adaptive"]),
+            "pairs": rounds, "quartile_ratios": _quartile_ratios(seconds["eager"],
+                                                                 seconds["adaptive"])}
+
+
+def _quartile_ratios(eager: list, adaptive: list) -> tuple[float, float]:
+    """Adaptive/eager at the first and third quartiles of each mode's process times: how far
+    the row's median ratio would move if the processes had landed faster or slower."""
+    eager_q, adaptive_q = statistics.quantiles(eager, n=4), statistics.quantiles(adaptive, n=4)
+    return adaptive_q[0] / eager_q[0], adaptive_q[2] / eager_q[2]
 
 
 def large(name: str, make, numel: int) -> dict:
@@ -237,11 +250,12 @@ def _empty_cache():
             ae.reset()
 
 
-def cases(steps: int):
+def cases(steps: int, fresh_rounds: int = SMALL_MODEL_FRESH_ROUNDS):
     """Each case as a thunk, run in order."""
     return (lambda: tiny_chain(steps), lambda: tiny_mlp(steps),
             lambda: variable_length(steps // 10),
-            lambda: first_training_steps(256, 64), lambda: first_training_steps(1024, 256),
+            lambda: first_training_steps(256, 64, fresh_rounds),
+            lambda: first_training_steps(1024, 256),
             recurring_lengths,
             lambda: large("pointwise chain", pointwise_chain, 8 << 20),
             lambda: large("LayerNorm+GELU+residual", layernorm_gelu_residual, 8 << 20))
@@ -252,12 +266,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     options = parser.parse_args()
     steps = 500 if options.quick else 2000
+    fresh_rounds = FRESH_PROCESS_ROUNDS if options.quick else SMALL_MODEL_FRESH_ROUNDS
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{os.cpu_count()} cores")
     print(f"{'case':<44}{'eager s':>10}{'adaptive s':>12}{'ratio':>8}  notes")
     with tempfile.TemporaryDirectory(prefix="ae-bench-inductor-") as inductor:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)   # outlives each case's
-        for case in cases(steps):
+        for case in cases(steps, fresh_rounds):
             with _empty_cache():
                 _print_row(case())
 
@@ -273,6 +288,9 @@ def _print_row(row: dict) -> None:
         notes += f" fused {row['fused']}"
     if "intercepted" in row:
         notes += f" ops intercepted while timed: {row['intercepted']}"
+    if "pairs" in row:
+        low, high = row["quartile_ratios"]
+        notes += f" {row['pairs']} process pairs, quartile ratios {low:.2f}/{high:.2f}"
     if row.get("per_op"):
         notes += " per-op: " + ", ".join(f"{reason} {n}" for reason, n in row["per_op"].items())
     print(f"{row['case']:<44}{row['eager_s']:>10.4f}{row['adaptive_s']:>12.4f}"
