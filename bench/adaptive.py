@@ -44,7 +44,7 @@ TINY_ROUNDS = 21
 FRESH_PROCESS_ROUNDS = 15
 # The small MLP's processes fall into a fast (~40-50 ms) and a slow (~60-90 ms) group in both
 # modes, so a median of 15 pairs flips between them: three blocks of 15 pairs in one run gave
-# 1.39, 1.03 and 1.04, while the 45 pairs together gave 1.09 (quartile ratios 1.09-1.13).
+# 1.39, 1.03 and 1.04, while the 45 pairs together gave 1.09 (quartile ratios 1.13 and 1.13).
 SMALL_MODEL_FRESH_ROUNDS = 45
 # Each round of the new-length row starts a fresh runtime that watches its first 4 steps (~3 ms
 # of ~60): medians of 9 rounds gave ratios from 1.01 to 1.19 in four runs of one process here.
@@ -202,10 +202,10 @@ def first_training_steps(width: int, batch: int, rounds: int = FRESH_PROCESS_ROU
             if run.returncode != 0:
                 raise RuntimeError(f"the {mode} process failed:\n{run.stderr}")
             seconds[mode].append(json.loads(run.stdout.strip().splitlines()[-1])["seconds"])
-    return {"case": f"first 20 training steps, MLP {width}, batch {batch}", "eager_s":
-            statistics.median(seconds["eager"]), "adaptive_s": statistics.median(seconds["adaptive"]),
-            "pairs": rounds, "quartile_ratios": _quartile_ratios(seconds["eager"],
-                                                                 seconds["adaptive"])}
+    eager, adaptive = seconds["eager"], seconds["adaptive"]
+    return {"case": f"first 20 training steps, MLP {width}, batch {batch}",
+            "eager_s": statistics.median(eager), "adaptive_s": statistics.median(adaptive),
+            "pairs": rounds, "quartile_ratios": _quartile_ratios(eager, adaptive)}
 
 
 def _quartile_ratios(eager: list, adaptive: list) -> tuple[float, float]:
