@@ -211,7 +211,9 @@ def first_training_steps(width: int, batch: int, rounds: int = FRESH_PROCESS_ROU
 def _quartile_ratios(eager: list, adaptive: list) -> tuple[float, float]:
     """Adaptive/eager at the first and third quartiles of each mode's process times: how far
     the row's median ratio would move if the processes had landed faster or slower."""
-    eager_q, adaptive_q = statistics.quantiles(eager, n=4), statistics.quantiles(adaptive, n=4)
+    # inclusive: the default (exclusive) method extrapolates past the data with few pairs
+    eager_q = statistics.quantiles(eager, n=4, method="inclusive")
+    adaptive_q = statistics.quantiles(adaptive, n=4, method="inclusive")
     return adaptive_q[0] / eager_q[0], adaptive_q[2] / eager_q[2]
 
 
