@@ -208,21 +208,21 @@ def test_keys_seen_once_are_never_named(compiler, monkeypatch):
     assert stats.keys_seen >= 20 and stats.fallbacks["megamorphic"] >= 10 and named == []
 
 
-def test_a_megamorphic_key_seen_again_is_recorded_as_megamorphic(compiler):
-    with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
-        for length in range(5, 10):
-            trimmed_chain(torch.randn(length)).sum().item()
-        x = torch.randn(9)                                # the last: megamorphic
-        trimmed_chain(x).sum().item()
-    [record] = Store(config.CACHE_DIR).records()
-    assert record.state == "megamorphic" and record.seen == 2
-    assert "shape variants" in record.reason
-
-
 def logged(out):
     """``out``, after an .item() of it ended its segment (as a loss logged each step does)."""
     out.sum().item()
     return out
+
+
+def test_a_megamorphic_key_seen_again_is_recorded_as_megamorphic(compiler):
+    with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
+        for length in range(5, 10):
+            logged(trimmed_chain(torch.randn(length)))
+        x = torch.randn(9)                                # the last: megamorphic
+        logged(trimmed_chain(x))
+    [record] = Store(config.CACHE_DIR).records()
+    assert record.state == "megamorphic" and record.seen == 2
+    assert "shape variants" in record.reason
 
 
 def scaled(x, scale: float):
@@ -316,10 +316,10 @@ def test_a_structure_dropped_with_its_one_shape_keeps_counting_shapes(compiler):
     # next shapes came: they are still its second and third, so the third is past the limit.
     x = torch.randn(8)
     with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
-        trimmed_chain(torch.randn(4)).sum().item()
+        logged(trimmed_chain(torch.randn(4)))
         for step in range(policy.SEEN_ONCE_KEPT + 8):
             scaled(x, 1.0 + step)
         assert ae.stats().fallbacks.get("megamorphic", 0) == 0
-        trimmed_chain(torch.randn(5)).sum().item()
-        trimmed_chain(torch.randn(6)).sum().item()
+        logged(trimmed_chain(torch.randn(5)))
+        logged(trimmed_chain(torch.randn(6)))
     assert ae.stats().fallbacks["megamorphic"] == 1
