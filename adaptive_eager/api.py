@@ -170,8 +170,42 @@ def _current_mode():
     return _get_current_dispatch_mode()
 
 
+def sit_out(optimizer, step_frame) -> None:
+    """Note [First optimizer step] (dispatch/control.py): run ``optimizer``'s first step
+    plainly, on this thread; ``stop_sitting_out(optimizer)`` puts the mode back. ``step_frame``
+    runs the step: while it is on the stack, control points leave the mode off."""
+    stack = _stack()
+    if not stack or getattr(_local, "sitting_out", None) is not None:
+        return
+    runtime, mode = stack[-1]
+    if _current_mode() is not mode:
+        return                         # paused, or another mode on top: nothing to take off
+    runtime.flush()
+    mode.__exit__(None, None, None)
+    _local.sitting_out = (runtime, mode, id(optimizer), step_frame)
+    decide("first_step_plain", optimizer=type(optimizer).__name__)
+
+
+def stop_sitting_out(optimizer=None) -> None:
+    """End ``sit_out(optimizer)``; with None (a control point), only if its step is over
+    (it raised, so no post-hook ended it)."""
+    sitting_out = getattr(_local, "sitting_out", None)
+    if sitting_out is None:
+        return
+    runtime, mode, optimizer_id, step_frame = sitting_out
+    if optimizer is not None and optimizer_id != id(optimizer):
+        return                         # an inner optimizer's step ended, not this one's
+    if optimizer is None and control.is_running(step_frame):
+        return                         # a control point inside the step
+    _local.sitting_out = None
+    stack = _stack()
+    if stack and stack[-1][0] is runtime and runtime not in _paused_until:
+        mode.__enter__()
+
+
 def control_point() -> None:
     """Pause or resume this thread's runtime, if it asked to / its pause is over."""
+    stop_sitting_out()                 # a first optimizer step that raised: back from here
     stack = _stack()
     if not stack:
         return

@@ -45,6 +45,7 @@ DECISIONS = {
     "pause_requested": (logging.INFO, None),
     "paused": (logging.INFO, None),
     "resumed": (logging.INFO, None),
+    "first_step_plain": (logging.INFO, "optimizer"),
 }
 
 _lock = threading.Lock()
