@@ -16,6 +16,7 @@ from adaptive_eager.dispatch import control, escapes
 from adaptive_eager.dispatch.mode import AdaptiveMode
 from adaptive_eager.fork_safety import at_fork
 from adaptive_eager.runtime import engine
+from adaptive_eager.runtime.allocator import keep_freed_memory
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.policy import freeze_gc, unfreeze_gc
 from adaptive_eager.runtime.stats import Stats, counters
@@ -66,6 +67,8 @@ def _exit_report(target: str) -> None:
 def enable() -> None:
     """Run this thread's aten ops under the adaptive runtime until ``disable()``."""
     config.validate_all()
+    if config.MALLOC_TUNING:
+        keep_freed_memory()            # Note [Allocator thresholds]
     _configure_logging()
     _register_exit_report()
     freeze_gc("enable")

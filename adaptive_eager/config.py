@@ -164,6 +164,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BUFFER_POOL_MB", _non_negative_int, lambda: 1024,
             "CPU memory (MiB) kept to reuse for large deferred outputs (saves page faults); "
             "0 disables the pool."),
+    Setting("MALLOC_TUNING", _parse_bool, lambda: True,
+            "1: on glibc, the first enable() keeps freed CPU tensor memory for reuse (malloc "
+            "thresholds of 32/64 MiB, where glibc's own adaptation ends), so training steps "
+            "do not page-fault their tensors back in; up to 64 MiB of freed memory stays with "
+            "the process. Skipped where MALLOC_*_ or GLIBC_TUNABLES malloc settings are set. "
+            "0: leave malloc as it is."),
     Setting("CACHE_DIR", _directory, _default_cache_dir,
             "Where compiled kernels and segment records are kept (shared by processes)."),
     Setting("CACHE_SIZE", _positive_int, lambda: 256,

@@ -177,6 +177,9 @@ FIRST_STEPS = textwrap.dedent("""
     if sys.argv[1] == "adaptive":
         import adaptive_eager as ae
         ae.enable()
+    if sys.argv[1] == "eager, malloc tuned":
+        from adaptive_eager.runtime.allocator import keep_freed_memory
+        keep_freed_memory()
     started = time.perf_counter()
     for _ in range(20):
         opt.zero_grad()
@@ -190,8 +193,10 @@ FIRST_STEPS = textwrap.dedent("""
 
 def first_training_steps(width: int, batch: int, rounds: int = FRESH_PROCESS_ROUNDS) -> dict:
     """Medians of ``rounds`` pairs of fresh processes, each adaptive one with empty caches.
-    Which of a pair runs first alternates: here the first process of a pair ran slower."""
-    seconds = {"eager": [], "adaptive": []}
+    Which of a pair runs first alternates: here the first process of a pair ran slower.
+    A third process per round runs eager with the malloc thresholds enable() sets (Note
+    [Allocator thresholds]): adaptive against it is the runtime's cost without that."""
+    seconds = {"eager": [], "adaptive": [], "eager, malloc tuned": []}
     for round_ in range(rounds):
         for mode in sorted(seconds, reverse=round_ % 2 == 1):
             with tempfile.TemporaryDirectory(prefix="ae-fresh-") as cache:
@@ -205,7 +210,8 @@ def first_training_steps(width: int, batch: int, rounds: int = FRESH_PROCESS_ROU
     eager, adaptive = seconds["eager"], seconds["adaptive"]
     return {"case": f"first 20 training steps, MLP {width}, batch {batch}",
             "eager_s": statistics.median(eager), "adaptive_s": statistics.median(adaptive),
-            "pairs": rounds, "quartile_ratios": _quartile_ratios(eager, adaptive)}
+            "pairs": rounds, "quartile_ratios": _quartile_ratios(eager, adaptive),
+            "eager_tuned_s": statistics.median(seconds["eager, malloc tuned"])}
 
 
 def _quartile_ratios(eager: list, adaptive: list) -> tuple[float, float]:
@@ -298,7 +304,8 @@ def _print_row(row: dict) -> None:
         notes += f" ops intercepted while timed: {row['intercepted']}"
     if "pairs" in row:
         low, high = row["quartile_ratios"]
-        notes += f" {row['pairs']} process pairs, quartile ratios {low:.2f}/{high:.2f}"
+        notes += f" {row['pairs']} process pairs, quartile ratios {low:.2f}/{high:.2f}," \
+                 f" vs eager with malloc tuned {row['adaptive_s'] / row['eager_tuned_s']:.2f}"
     if row.get("per_op"):
         notes += " per-op: " + ", ".join(f"{reason} {n}" for reason, n in row["per_op"].items())
     print(f"{row['case']:<44}{row['eager_s']:>10.4f}{row['adaptive_s']:>12.4f}"

@@ -25,6 +25,7 @@ BAD_VALUES = {
     "KEEP_UNPROFITABLE": ("keep", "1/0"),
     "MAX_SHAPE_VARIANTS": ("0", "integer >= 1"),
     "BUFFER_POOL_MB": ("-1", "integer >= 0"),
+    "MALLOC_TUNING": ("glibc", "1/0"),
     "CACHE_DIR": ("  ", "a directory path"),
     "CACHE_SIZE": ("many", "integer >= 1"),
     "MAX_KEYS": ("0", "integer >= 1"),
