@@ -72,8 +72,11 @@ def _optimizer_step_starts(optimizer, _args, _kwargs) -> None:
     permanent_point()
     if optimizer in _stepped:
         return
-    _stepped.add(optimizer)
-    if not optimizer.state:
+    try:
+        _stepped.add(optimizer)
+    except TypeError:              # no weak references to it (__slots__): never sits out
+        return
+    if not getattr(optimizer, "state", True):
         from adaptive_eager import api
         api.sit_out(optimizer, step_frame=sys._getframe(1))   # the step's hook-calling wrapper
 

@@ -137,3 +137,19 @@ def test_disabling_during_the_first_step_leaves_the_mode_off():
     opt.step()
     assert not ae.is_enabled()
     assert _get_current_dispatch_mode() is None
+
+
+def test_the_first_step_of_an_optimizer_without_weak_references_is_watched(monkeypatch):
+    from adaptive_eager.dispatch import control
+
+    class NoWeakRefs:
+        def add(self, _optimizer):
+            raise TypeError("cannot create weak reference")
+
+        def __contains__(self, _optimizer):
+            return False
+    monkeypatch.setattr(control, "_stepped", NoWeakRefs())
+    seen, params = _ops_seen_by_step(torch.optim.AdamW, 2)
+    assert seen[0] > PROFILER_RANGE_OPS
+    for got, expected in zip(params, _eager_params(torch.optim.AdamW, 2)):
+        assert_equal(got, expected)
