@@ -120,17 +120,26 @@ def paused() -> Iterator[None]:
     """``with ae.paused(): ...`` — plain eager for the block, on this thread. Deferred work is
     finished first; kernels and what is known of keys stay (``disable()`` gives kernels
     back). For timing eager beside adaptive in one process, or a region known to be dynamic."""
-    stack = _stack()
-    if not stack or _current_mode() is not stack[-1][1]:
+    aside = _step_aside()
+    if aside is None:
         yield                                  # not enabled, paused already, or not on top
         return
-    runtime, mode = stack[-1]
-    runtime.flush()
-    mode.__exit__(None, None, None)
     try:
         yield
     finally:
-        mode.__enter__()
+        aside[1].__enter__()
+
+
+def _step_aside() -> tuple | None:
+    """Finish this thread's deferred work and take its runtime's mode off the stack: its
+    (runtime, mode), or None when not enabled, paused, or another mode is on top."""
+    stack = _stack()
+    if not stack or _current_mode() is not stack[-1][1]:
+        return None
+    runtime, mode = stack[-1]
+    runtime.flush()
+    mode.__exit__(None, None, None)
+    return runtime, mode
 
 
 # runtime -> monotonic time its pause ends (see dispatch/control.py)
@@ -177,15 +186,12 @@ def sit_out(optimizer, step_frame) -> None:
     """Note [First optimizer step] (dispatch/control.py): run ``optimizer``'s first step
     plainly, on this thread; ``stop_sitting_out(optimizer)`` puts the mode back. ``step_frame``
     runs the step: while it is on the stack, control points leave the mode off."""
-    stack = _stack()
-    if not stack or getattr(_local, "sitting_out", None) is not None:
-        return
-    runtime, mode = stack[-1]
-    if _current_mode() is not mode:
-        return                         # paused, or another mode on top: nothing to take off
-    runtime.flush()
-    mode.__exit__(None, None, None)
-    _local.sitting_out = (runtime, mode, id(optimizer), step_frame)
+    if getattr(_local, "sitting_out", None) is not None:
+        return                         # an outer optimizer's step sits out already
+    aside = _step_aside()
+    if aside is None:
+        return                         # nothing to take off
+    _local.sitting_out = (*aside, id(optimizer), step_frame)
     decide("first_step_plain", optimizer=type(optimizer).__name__)
 
 
