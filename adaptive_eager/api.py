@@ -219,6 +219,7 @@ def control_point() -> None:
     if not stack:
         return
     runtime, mode = stack[-1]
+    runtime.flush()                    # Note [Natural boundaries] (dispatch/control.py)
     if runtime.pause_requested and _current_mode() is mode:
         seconds = runtime.paused_for()
         mode.__exit__(None, None, None)
@@ -263,7 +264,11 @@ def sync(wait_compiles: float = 0.0) -> None:
 def stats() -> Stats:
     """A frozen snapshot of the runtime's counters."""
     _publish_all_counts()
-    return counters.snapshot()
+    table = engine.existing_table()
+    if table is None:
+        return counters.snapshot()
+    return counters.snapshot(compiles_in_flight=table.compiles_in_flight,
+                             compiles_waiting=table.compiles_waiting)
 
 
 def _publish_all_counts() -> None:

@@ -134,12 +134,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("COMPILE_TIMEOUT_S", _positive_int, lambda: 600,
             "A background compile taking longer than this (seconds) is abandoned: the worker "
             "is restarted and the segment runs per-op for good."),
-    Setting("COMPILE_DELAY_MS", _non_negative_int, lambda: 2000 if small_machine() else 0,
-            "A hot segment's background compile starts once the program has run that "
-            "segment for this long (milliseconds since its first sight; ae.sync(wait_compiles="
-            "...) starts it at once). Default 2000 on machines with at most 4 cores, where a "
-            "compile slows the program while it runs, so a program that ends sooner never "
-            "pays for kernels it could not use; 0 on larger ones."),
+    Setting("COMPILE_COST_MS", _non_negative_int, lambda: 2000 if small_machine() else 0,
+            "What one background compile is taken to cost the program (milliseconds). A hot "
+            "segment's compile starts once the time its per-op runs would have saved fused "
+            "(predicted from its ops) adds up to this, so a program that ends sooner never "
+            "pays for kernels it could not use (ae.sync(wait_compiles=...) starts it at once). "
+            "Default 2000 on machines with at most 4 cores, where a compile competes with the "
+            "program; 0 on larger ones."),
     Setting("PAUSE", _parse_bool, lambda: True,
             "1: where the runtime keeps finding nothing worth fusing (PAUSE_WINDOW segments "
             "in a row), stop intercepting, and re-probe after a growing interval at the next "
@@ -164,12 +165,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BUFFER_POOL_MB", _non_negative_int, lambda: 1024,
             "CPU memory (MiB) kept to reuse for large deferred outputs (saves page faults); "
             "0 disables the pool."),
-    Setting("MALLOC_TUNING", _parse_bool, lambda: True,
-            "1: on glibc, the first enable() keeps freed CPU tensor memory for reuse (malloc "
-            "thresholds of 32/64 MiB, where glibc's own adaptation ends), so training steps "
-            "do not page-fault their tensors back in; up to 64 MiB of freed memory stays with "
-            "the process. Skipped where MALLOC_*_ or GLIBC_TUNABLES malloc settings are set. "
-            "0: leave malloc as it is."),
+    Setting("MALLOC_TUNING", _parse_bool, lambda: False,
+            "1 (opt-in): on glibc, the first enable() sets the process's malloc thresholds to "
+            "32/64 MiB, where glibc's own adaptation ends, so large CPU tensors freed and "
+            "allocated again each step are not page-faulted back in; up to 64 MiB of freed "
+            "memory stays with the process, and disable() cannot undo it. Skipped where "
+            "MALLOC_*_ or GLIBC_TUNABLES malloc settings are set. 0: leave malloc alone."),
     Setting("CACHE_DIR", _directory, _default_cache_dir,
             "Where compiled kernels and segment records are kept (shared by processes)."),
     Setting("CACHE_SIZE", _positive_int, lambda: 256,

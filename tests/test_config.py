@@ -17,7 +17,7 @@ BAD_VALUES = {
     "MAX_SEGMENT_OPS": ("-3", "integer >= 1"),
     "ASYNC": ("2", "1/0"),
     "COMPILE_TIMEOUT_S": ("0", "integer >= 1"),
-    "COMPILE_DELAY_MS": ("2s", "integer >= 0"),
+    "COMPILE_COST_MS": ("2s", "integer >= 0"),
     "PAUSE": ("sometimes", "1/0"),
     "PAUSE_WINDOW": ("1.5", "integer >= 1"),
     "MIN_SEGMENT_US": ("-1", "integer >= 0"),

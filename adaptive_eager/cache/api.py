@@ -25,8 +25,8 @@ _EXPLANATIONS = {
     "cold": "is not fused yet: seen {seen} times, fewer than the hot threshold, or its kernel "
             "was evicted or damaged and will be rebuilt when it turns hot",
     "hot": "would be fused but compilation is off (NEURON_ADAPTIVE_EAGER_COMPILE=0)",
-    "waiting": "is hot; its compile starts once the program has run it for "
-               "NEURON_ADAPTIVE_EAGER_COMPILE_DELAY_MS, and it runs per-op until then",
+    "waiting": "is hot; its compile starts once its per-op runs would have saved "
+               "NEURON_ADAPTIVE_EAGER_COMPILE_COST_MS fused, and it runs per-op until then",
     "compiling": "is being compiled; it runs per-op until the kernel is ready",
     "failed": "is not fused: {reason}; it runs per-op for good (`adaptive-eager cache clear` "
               "forgets this)",
@@ -41,6 +41,9 @@ _REASON_TEXT = {
     "too_cheap": "its ops compute for less than NEURON_ADAPTIVE_EAGER_MIN_SEGMENT_US plus "
                  "NEURON_ADAPTIVE_EAGER_MIN_US_PER_OP per op, too little for fusion to repay "
                  "its overhead",
+    "extern_bound": "most of its time is in matmuls or convolutions, which a kernel calls "
+                    "as they are: fusing the ops around them would save less than the fused "
+                    "path costs",
     "compiler_unsupported": "it holds an op whose compiled kernel fails when run (with "
                             "torch 2.13's Inductor: a CPU LSTM's mkldnn_rnn_layer under "
                             "autograd), so compiling it would only cost time",

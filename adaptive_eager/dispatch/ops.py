@@ -57,6 +57,9 @@ class OpClass:
     # For MUTATING ops: the ``out=`` arguments, which the op resizes when their shape is not
     # the result's (Note [Resized outputs], runtime/engine.py).
     out_args: tuple[tuple[int, str], ...] = ()
+    # A matmul or convolution: Inductor calls it as an extern library kernel, so fusing the
+    # segment around it saves nothing of its own time (Note [Predicted saving], runtime/policy.py).
+    extern: bool = False
 
 
 # Ops that read device data back to the host; most carry no tag saying so.
@@ -71,6 +74,17 @@ _METADATA_MUTATIONS = frozenset({
 UNINITIALIZED_OUTPUT_OPS = frozenset({
     "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
     "aten::new_empty", "aten::new_empty_strided",
+})
+# Ops Inductor leaves to an extern library kernel (BLAS, oneDNN, attention) on CPU and GPU.
+EXTERN_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv",
+    "aten::addmv", "aten::dot", "aten::_addmm_activation", "aten::convolution",
+    "aten::convolution_backward", "aten::_convolution", "aten::mkldnn_convolution",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_flash_attention_backward",
+    "aten::_scaled_dot_product_efficient_attention_backward",
 })
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional",
                                     "_c10d_functional_autograd", "_dtensor"})
@@ -150,7 +164,7 @@ def _classify(func: torch._ops.OpOverload) -> OpClass:
         return OpClass(OpKind.VIEW)
     if any(ret.alias_info is not None for ret in returns):
         return OpClass(OpKind.BOUNDARY, Reason.UNKNOWN_OP)  # aliases without being a view
-    return OpClass(OpKind.FUSIBLE)
+    return OpClass(OpKind.FUSIBLE, extern=name in EXTERN_OPS)
 
 
 _CLASS_CACHE: dict = {}

@@ -65,7 +65,8 @@ PAUSE_LONGEST_S = 64.0    # ...up to this
 # them sit beside a kernel. A key compiling or waiting to, in a program that passes
 # control points (the way back), is the whole window at once: the loop's kernel is coming,
 # and on a small machine each step watched meanwhile costs about twice a plain step (keys not
-# yet hot are found after the pause).
+# yet hot are found after the pause). A program that passes no control point (a bare loop)
+# never pauses while compiles wait or run: Note [No pause without a way back].
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
 CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT
@@ -93,6 +94,11 @@ def shared_table() -> KeyTable:
         if _shared_table is None:
             _shared_table = KeyTable(KernelTrie(), DiskCache(config.CACHE_DIR))
         return _shared_table
+
+
+def existing_table() -> KeyTable | None:
+    """The process-wide key table if one was made (stats() must not make one)."""
+    return _shared_table
 
 
 def reset_shared_table() -> None:
@@ -250,7 +256,8 @@ class Runtime:
         self.quiet_segments = 0                   # their weight, see Note [Pausing]
         self.quiet_count = 0                      # and how many
         self.unpaid_s = 0.0                       # interception kernels have not paid for
-        self._points_at_quiet_start = 0           # control.points_passed then
+        self._points_seen = control.points_passed()   # at the last segment end, and the
+        self._segments_since_point = config.PAUSE_WINDOW   # segments since it moved (none yet)
         self.pause_requested = False
         self.pause_backoff_s = PAUSE_FIRST_S
         self.awaited_answers: int | None = None   # see awaited_kernel_landed()
@@ -369,7 +376,10 @@ class Runtime:
         layouts = _out_layouts(op_class, args, kwargs) if op_class.out_args else None
         started = time.perf_counter()
         out = func(*args, **kwargs)
-        self._builder.compute_seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self._builder.compute_seconds += elapsed
+        if op_class.extern:                         # Note [Predicted saving]
+            self._builder.extern_seconds += elapsed
         if op_class.written_lists:
             _bump_versions(op_class, args, kwargs)
         self._per_op += 1
@@ -408,7 +418,7 @@ class Runtime:
         if builder:
             seconds = time.perf_counter() - builder.started
             entry = self.table.observe(builder.finish(builder.live_refs()), seconds,
-                                       builder.compute_seconds)
+                                       builder.compute_seconds, builder.extern_seconds)
             self.unpaid_s += min(max(0.0, seconds - builder.compute_seconds),
                                  len(builder) * MOST_INTERCEPTION_S_PER_OP)
             self._watch(entry)
@@ -440,13 +450,16 @@ class Runtime:
         by the strength of its evidence (the weights above): dynamic shapes pause within a
         few steps. A pause while kernels compile (nothing else to do: a training loop's first
         steps) lasts until one lands, which a control point notices; a loop that passes no
-        control point would never notice, so there compiling keys count as new ones."""
+        control point would never notice, so there it does not pause while compiles wait or
+        run."""
+        self._count_control_points()
         if entry is None or entry.promising:
             self.quiet_segments = self.quiet_count = 0
             self.pause_backoff_s = PAUSE_FIRST_S
             return
-        if self.quiet_segments == 0:
-            self._points_at_quiet_start = control.points_passed()
+        if self._kernels_pending_without_way_back():
+            self.quiet_segments = self.quiet_count = 0
+            return
         weight = self._weight(entry)
         self.quiet_segments += weight
         self.quiet_count += 1
@@ -457,16 +470,34 @@ class Runtime:
             decide("pause_requested", segments=self.quiet_segments)
             control.pause_requested()
 
+    def _kernels_pending_without_way_back(self) -> bool:
+        """Note [No pause without a way back]: a pause takes effect and ends at control
+        points; a program that passed none since the quiet segments began (a bare loop of
+        tensor ops) would pause for good, and a waiting compile starts only at a segment end,
+        which a paused loop never reaches: its hot key would wait for ever. So while compiles
+        wait or run there, the runtime keeps intercepting."""
+        table = self.table
+        return bool(table.compiles_waiting or table.compiles_in_flight) and \
+            not self._control_points_pass()
+
     def _weight(self, entry) -> int:
         if entry.state in (KeyState.COMPILING, KeyState.WAITING):
-            return config.PAUSE_WINDOW if self._control_points_pass() else 1
+            return config.PAUSE_WINDOW
         if entry.churning:
             return CHEAP_CHURN_WEIGHT if entry.too_cheap else CHURN_WEIGHT
         return HOPELESS_WEIGHT if entry.hopeless else 1
 
+    def _count_control_points(self) -> None:
+        points = control.points_passed()
+        if points != self._points_seen:
+            self._points_seen, self._segments_since_point = points, 0
+        else:
+            self._segments_since_point += 1
+
     def _control_points_pass(self) -> bool:
-        """Has the program passed a control point since the quiet segments began?"""
-        return control.points_passed() != self._points_at_quiet_start
+        """Has the program passed a control point within the last PAUSE_WINDOW segments
+        (so a pause would end)?"""
+        return self._segments_since_point < config.PAUSE_WINDOW
 
     def paused_for(self) -> float:
         """Start a pause (at a control point): flush, and return how long it lasts. While

@@ -36,6 +36,8 @@ from adaptive_eager.runtime.decisions import decide, logged as decision_logged
 from adaptive_eager.runtime.describe import key_parts, op_lines
 from adaptive_eager.runtime.generic import fits, generalize
 from adaptive_eager.runtime.generic import from_wire as from_generic_wire
+from adaptive_eager.runtime import scheduling
+from adaptive_eager.runtime.scheduling import CompileQueue
 from adaptive_eager.runtime.segment import Segment, to_wire
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, Variant
@@ -57,8 +59,8 @@ NOT_LOADED = "compile_error: the worker's artifact did not load"
 class KeyState(str, enum.Enum):
     COLD = "cold"              # seen fewer than HOT_THRESHOLD times (or its kernel was evicted)
     HOT = "hot"                # hot, but compilation is off (COMPILE=0)
-    WAITING = "waiting"        # hot; its compile waits for COMPILE_DELAY_MS (Note [When to
-                               # compile]); runs per-op meanwhile
+    WAITING = "waiting"        # hot; its compile waits to break even (Note [When to compile],
+                               # runtime/scheduling.py); runs per-op meanwhile
     COMPILING = "compiling"    # in the background worker; runs per-op meanwhile
     READY = "ready"            # has a kernel; the hot path replays it fused
     FAILED = "failed"          # compile, kernel or verification failed: per-op for good
@@ -80,6 +82,10 @@ class KeyEntry:
     saved_artifact: str | None = None  # where this process saved its kernel
     compute_seconds: float = float("inf")  # least time inside the ops of one per-op run
                                            # (the first runs pay one-time costs)
+    fusible_seconds: float = float("inf")  # of one run's, outside extern ops (matmuls...):
+                                           # what fusion can save (Note [Predicted saving])
+    banked_s: float = 0.0              # savings its per-op runs would have had fused, while
+                                       # it waits for its compile (Note [When to compile])
     eager_samples: list = dataclasses.field(default_factory=list)   # per-op run wall times
     fused_samples: list = dataclasses.field(default_factory=list)   # fused run wall times
     control_samples: list = dataclasses.field(default_factory=list)  # plain eager runs beside
@@ -122,10 +128,13 @@ class KeyEntry:
     @property
     def promising(self) -> bool:
         """Is fusion paying, or could it soon? (Nothing promising for long: the runtime
-        pauses, Note [Pausing].) A compiling key is not: until its kernel lands, watching it
-        run per-op gains nothing."""
+        pauses, Note [Pausing].) A key waiting for its compile is, until it is due: only
+        its runs per-op bank the savings that start the compile (Note [When to compile]). A
+        key due or compiling is not: until its kernel lands, watching it gains nothing."""
         if self.state is KeyState.READY:
             return True
+        if self.state is KeyState.WAITING:
+            return not scheduling.is_due(self)
         # A key seen once is no evidence (dynamic shapes make new keys all the time).
         return self.state is KeyState.COLD and self.seen >= 2 \
             and self.segment.compute_ops >= MIN_COMPUTE_OPS and not self.too_cheap
@@ -224,35 +233,11 @@ def unfusible_reason(segment: Segment, entry: KeyEntry) -> str | None:
         return "compiler_unsupported"
     if entry.too_cheap:
         return "too_cheap"                 # see MIN_SEGMENT_US and MIN_US_PER_OP (config)
+    if scheduling.extern_bound(entry):
+        return "extern_bound"              # matmuls take its time (Note [Predicted saving])
     if any(_overlaps_itself(segment.out_meta(ref)) for ref in segment.live_refs):
         return "overlapping_output"        # a kernel cannot write one memory cell twice
     return None
-
-
-class ThreadShare:
-    """Note [Oversubscription]: on a small machine the worker's compile competes with the
-    program's intra-op threads; while compiles are in flight the program keeps one core
-    fewer, and gets it back when they are done."""
-
-    def __init__(self) -> None:
-        self._saved: int | None = None
-
-    def compile_started(self) -> None:
-        import torch
-        if self._saved is None and small_machine():
-            self._saved = torch.get_num_threads()
-            torch.set_num_threads(max(1, self._saved - 1))
-
-    def program_threads(self) -> int:
-        """The program's own intra-op thread count (not the reduced one)."""
-        import torch
-        return self._saved if self._saved is not None else torch.get_num_threads()
-
-    def compiles_done(self) -> None:
-        import torch
-        if self._saved is not None:
-            torch.set_num_threads(self._saved)
-            self._saved = None
 
 
 _frozen_at: set[str] = set()     # the moments this process froze the GC at (Note [GC stalls])
@@ -325,11 +310,6 @@ def _wait_for_preparation() -> None:
         _preparing.join()
 
 
-def _compile_due(entry: KeyEntry) -> float:
-    """When ``entry``'s compile may start (Note [When to compile])."""
-    return entry.first_seen + config.COMPILE_DELAY_MS / 1e3
-
-
 def structure_of(segment: Segment) -> tuple:
     """The key without shapes and strides (see Note [Megamorphic])."""
     return (segment.context, tuple((op.func, without_shapes(op.args), without_shapes(op.kwargs))
@@ -374,11 +354,9 @@ class KeyTable:
         self.worker: CompileWorker | None = None
         # request id -> KeyEntry, or (Structure, example segment) for a generic kernel
         self._compiling: dict[int, Any] = {}
-        self._waiting: dict[str, KeyEntry] = {}   # digest -> hot key waiting to compile
-        self._next_due = float("inf")              # when the first of them is due
+        self._queue = CompileQueue()     # hot keys waiting to compile (Note [When to compile])
         self.compiles_answered = 0        # worker results handled (kernels or failures)
         self._next_request = 0
-        self._threads = ThreadShare()
         # A warm start (artifacts on disk): keys load at first sight, so each new key looks up
         # its record at once. Else at its second sight (see _recall).
         self._warm = disk is not None and disk.has_artifacts()
@@ -390,9 +368,10 @@ class KeyTable:
     # ------------------------------------------------------------------ observing
 
     def observe(self, segment: Segment, seconds: float = 0.0,
-                compute_seconds: float = 0.0) -> KeyEntry:
+                compute_seconds: float = 0.0, extern_seconds: float = 0.0) -> KeyEntry:
         """Count one per-op run of ``segment``: ``seconds`` of wall time, ``compute_seconds``
-        of it inside the ops. Gets the key a kernel when it turns hot."""
+        of it inside the ops, ``extern_seconds`` of that inside extern ops (matmuls...). Gets
+        the key a kernel when it turns hot (and has paid for its compile)."""
         counters.add("segments_recorded")
         with self._lock:
             entry = self._entries.get(segment.key)
@@ -407,6 +386,7 @@ class KeyTable:
             if not entry.recalled and (entry.seen >= 2 or config.HOT_THRESHOLD <= 1):
                 self._recall(entry)
             entry.compute_seconds = min(entry.compute_seconds, compute_seconds)
+            entry.fusible_seconds = min(entry.fusible_seconds, compute_seconds - extern_seconds)
             entry.add_sample(entry.eager_samples, seconds)
             threshold = 1 if entry.artifact_path else config.HOT_THRESHOLD
             if entry.structure.kernel is not None and \
@@ -414,6 +394,9 @@ class KeyTable:
                 self._serve_generically(entry)
             elif entry.state is KeyState.COLD and entry.seen >= threshold:
                 self._turn_hot(entry)
+            elif entry.state is KeyState.WAITING:
+                self._queue.bank(entry)
+                self.start_due_compiles()
             if entry.seen >= 2 or entry.state not in (KeyState.COLD, KeyState.MEGAMORPHIC):
                 self._note_seen(entry)               # a record is due
             if entry.seen == 1 and len(self._seen_once) > SEEN_ONCE_KEPT:
@@ -572,43 +555,36 @@ class KeyTable:
     # ------------------------------------------------------------------ when to compile
 
     def _wait_to_compile(self, entry: KeyEntry) -> bool:
-        """Note [When to compile]: on a small machine a background compile slows the program
-        while it runs (one intra-op thread fewer, and the worker's CPU: training steps ~2x
-        slower here for the 3-25 s until a first kernel lands). Like renting skis before
-        buying, a hot key's compile waits until the program has run that key for
-        COMPILE_DELAY_MS: a program that ends sooner never pays for kernels it could not have
-        used, one that runs on loses at most that long of fused time. Meanwhile the key runs
-        per-op, and the runtime pauses (Note [Pausing]) until the compile has started and
-        landed.
-        Synchronous compiles (ASYNC=0: tests, debugging) never wait."""
-        due = _compile_due(entry)
-        if not (config.ASYNC and self.disk is not None) or time.monotonic() >= due:
+        """Note [When to compile] (runtime/scheduling.py): a background compile waits until
+        the key's per-op runs have banked COMPILE_COST_MS of predicted savings, and starts
+        when no other compile is in flight; the key runs per-op meanwhile. Synchronous
+        compiles (ASYNC=0: tests, debugging) never wait."""
+        if not (config.ASYNC and self.disk is not None):
             return False
         entry.state = KeyState.WAITING
-        self._waiting[entry.digest] = entry
-        self._next_due = min(self._next_due, due)
-        decide("compile_waits", key=entry.digest, seconds=round(due - time.monotonic(), 3))
+        self._queue.add(entry)
+        if not scheduling.is_due(entry):
+            decide("compile_waits", key=entry.digest, banked_ms=round(entry.banked_s * 1e3, 3))
+        self.start_due_compiles()
         return True
 
     @property
     def compiles_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._queue)
 
     def start_due_compiles(self, everything: bool = False) -> None:
-        """Start the waiting compiles whose time has come (all of them: ``everything``).
-        Cheap when none is due: called at every segment end and control point."""
-        if not self._waiting or (not everything and time.monotonic() < self._next_due):
+        """Start the due compile that banked the most, if none is in flight (every waiting
+        one: ``everything``, for ``sync(wait_compiles=...)``). Cheap when none waits: called
+        at every segment end."""
+        if not self._queue or (self._compiling and not everything):
             return
         with self._lock:
-            now = time.monotonic()
-            due = [entry for entry in self._waiting.values()
-                   if everything or now >= _compile_due(entry)]
-            for entry in due:
-                del self._waiting[entry.digest]
+            while everything or not self._compiling:
+                entry = self._queue.pop_next(everything)
+                if entry is None:
+                    return
                 if entry.state is KeyState.WAITING:
                     self._start_compile(entry)
-            self._next_due = min(map(_compile_due, self._waiting.values()),
-                                 default=float("inf"))
 
     # ------------------------------------------------------------------ kernels
 
@@ -665,15 +641,15 @@ class KeyTable:
     def _send(self, target, compiler, digest: str, segment: tuple, metas: tuple,
               variants: tuple = ()) -> None:
         """A compile request for ``target`` (a KeyEntry, or a Structure's generic kernel)."""
+        import torch
         if self.worker is None:
             self.worker = CompileWorker(self.disk.store.directory, config.COMPILE_TIMEOUT_S)
             _prepare_loading(compiler)
         self._next_request += 1
         request = CompileRequest(self._next_request, digest, segment, metas,
                                  (type(compiler).__module__, type(compiler).__qualname__),
-                                 self._threads.program_threads(), variants)
+                                 torch.get_num_threads(), variants)
         self._compiling[request.request_id] = target
-        self._threads.compile_started()
         self.worker.submit(request)
 
     def poll_compiles(self, wait_s: float = 0.0) -> None:
@@ -696,8 +672,8 @@ class KeyTable:
                     self._finish_background(target, result)
                 if target is not None:
                     self.compiles_answered += 1
-        if not self._compiling:
-            self._threads.compiles_done()
+        if results:
+            self.start_due_compiles()
 
     @property
     def compiles_in_flight(self) -> int:
@@ -980,20 +956,18 @@ class KeyTable:
     def disown(self) -> None:
         """Note [Fork] (runtime/engine.py): this table was copied into a forked child. Its
         worker and database connection are the parent's: the child's exit must not close
-        them (nor write through the connection), so their exit hooks go. The thread the
-        program lent the parent's compiles comes back: the child has none in flight."""
+        them (nor write through the connection), so their exit hooks go."""
         for held in (self.disk, self.worker):
             if held is not None:
                 held.disown()
-        self._threads.compiles_done()
 
     def close(self) -> None:
         with self._lock:
             if self.worker is not None:
                 self.worker.close()
-                self._threads.compiles_done()
             if self.disk is not None:
                 self.disk.close()
+            self._queue.clear()
             self._entries.clear()
             self._structures.clear()
             self._seen_once.clear()

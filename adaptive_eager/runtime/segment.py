@@ -125,6 +125,7 @@ class SegmentBuilder:
         self.context = context
         self.started = time.perf_counter()             # a segment's wall time starts here
         self.compute_seconds = 0.0                     # of which inside per-op calls
+        self.extern_seconds = 0.0                      # of which inside extern ops (matmuls)
         self.ops: list[OpRecord] = []
         self.inputs: list[torch.Tensor] = []           # strong: fused kernels read them at the end
         self._known: dict[int, tuple[weakref.ref, Ref]] = {}

@@ -21,6 +21,8 @@ class Stats:
     compiles: int = 0
     compile_failures: int = 0
     compile_seconds: float = 0.0
+    compiles_in_flight: int = 0     # now, not counted: in the worker (warm-up is not over)
+    compiles_waiting: int = 0       # now: hot keys whose compile waits (Note [When to compile])
     generic_kernels: int = 0        # compiles for every shape of a structure (Note [Generic kernels])
     generic_instances: int = 0      # keys (shapes) served by one of those, without a compile
     fused_executions: int = 0
@@ -40,10 +42,14 @@ class Stats:
         return result
 
 
+_GAUGES = ("compiles_in_flight", "compiles_waiting")     # read at snapshot time, not counted
+
+
 class Counters:
     """The mutable side: incremented by the runtime under one lock, frozen by ``snapshot``."""
 
-    _FIELDS = tuple(f.name for f in dataclasses.fields(Stats) if f.name != "fallbacks")
+    _FIELDS = tuple(f.name for f in dataclasses.fields(Stats)
+                    if f.name not in ("fallbacks", *_GAUGES))
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -65,9 +71,9 @@ class Counters:
         with self._lock:
             self._fallbacks[reason] += amount
 
-    def snapshot(self) -> Stats:
+    def snapshot(self, **gauges: int) -> Stats:
         with self._lock:
-            return Stats(**self._values,
+            return Stats(**self._values, **gauges,
                          fallbacks=types.MappingProxyType(dict(self._fallbacks)))
 
 

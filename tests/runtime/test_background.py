@@ -12,7 +12,7 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager import faults
 from adaptive_eager.config import config
-from adaptive_eager.runtime import engine
+from adaptive_eager.runtime import engine, scheduling
 from adaptive_eager.runtime.compiler import CountingCompiler
 from adaptive_eager.runtime.policy import KeyState
 from helpers import MECHANICS_ENV, assert_equal
@@ -29,6 +29,13 @@ def chain(x):
 
 def other(x):
     return ((x - 1).exp() * 2).tanh()
+
+
+def _ran(fn, x):
+    """``fn(x)``, its segment ended (observed) at once."""
+    out = fn(x)
+    ae.sync()
+    return out
 
 
 def _entry():
@@ -48,10 +55,11 @@ def test_segments_run_per_op_until_the_worker_delivers(background, compiler):
     with ae.enabled():
         early = [chain(x) for _ in range(4)]
         assert _entry().state is KeyState.COMPILING
-        if (os.cpu_count() or 1) <= 4:
-            assert torch.get_num_threads() == max(1, threads - 1)   # a core for the worker
-        assert ae.stats().fused_executions == 0
+        assert torch.get_num_threads() == threads        # the program keeps its threads
+        stats = ae.stats()
+        assert stats.fused_executions == 0 and stats.compiles_in_flight == 1
         ae.sync(wait_compiles=120)
+        assert ae.stats().compiles_in_flight == 0
         assert _entry().state is KeyState.READY
         assert torch.get_num_threads() == threads
         late = [chain(x) for _ in range(4)]
@@ -63,17 +71,16 @@ def test_segments_run_per_op_until_the_worker_delivers(background, compiler):
     assert os.path.exists(os.path.join(config.CACHE_DIR, "worker.log"))   # its stderr
 
 
-def test_a_hot_key_compiles_once_the_program_ran_it_for_the_delay(background):
-    """Note [When to compile]: no worker, no thread taken from the program, until then."""
+def test_a_hot_key_compiles_once_its_runs_banked_the_compile_cost(background, monkeypatch):
+    """Note [When to compile]: no worker until then; counted in runs, not wall time."""
+    monkeypatch.setattr(scheduling, "predicted_saving_s", lambda entry: 0.1)   # per run
     x = torch.randn(64)
-    threads = torch.get_num_threads()
-    with config.patch(COMPILE_DELAY_MS=400), ae.enabled():
-        first_sight = time.monotonic()
-        early = [chain(x) for _ in range(4)]
-        assert _entry().state is KeyState.WAITING
-        assert engine.shared_table().worker is None and torch.get_num_threads() == threads
-        while time.monotonic() < first_sight + 0.45:
-            early.append(chain(x))
+    with config.patch(COMPILE_COST_MS=400), ae.enabled():
+        early = [_ran(chain, x) for _ in range(3)]
+        assert _entry().state is KeyState.WAITING and _entry().seen == 3
+        assert engine.shared_table().worker is None
+        assert ae.stats().compiles_waiting == 1
+        early.append(_ran(chain, x))             # 4 runs x 0.1 s: 400 ms banked
         assert _entry().state is KeyState.COMPILING
         ae.sync(wait_compiles=120)
         late = [chain(x) for _ in range(3)]
@@ -82,9 +89,32 @@ def test_a_hot_key_compiles_once_the_program_ran_it_for_the_delay(background):
         assert_equal(out, chain(x))
 
 
+def test_the_key_that_banked_most_compiles_first_one_at_a_time(background, monkeypatch):
+    savings = {5: 0.01, 6: 0.5}                  # by the ops of the segment: chain 5, bigger 6
+    monkeypatch.setattr(scheduling, "predicted_saving_s",
+                        lambda entry: savings[len(entry.segment.ops)])
+    x = torch.randn(64)
+
+    def bigger(t):
+        return (((t - 1).exp() * 2).tanh() + 1).abs()
+    with config.patch(COMPILE_COST_MS=1200), ae.enabled():
+        outs = [_ran(chain, x) for _ in range(2)] + [_ran(bigger, x) for _ in range(2)]
+        table = engine.shared_table()
+        assert table.compiles_in_flight == 0 and table.compiles_waiting == 2
+        outs.append(_ran(bigger, x))             # banks 1.5 s: due, and starts
+        outs += [_ran(chain, x) for _ in range(120)]   # 1.22 s: due, but one is in flight
+        states = {len(e.segment.ops): e.state for e in table.entries()}
+        assert states == {6: KeyState.COMPILING, 5: KeyState.WAITING}
+        ae.sync(wait_compiles=120)
+        outs += [chain(x), bigger(x)]
+    assert ae.stats().compiles == 2
+    assert_equal(outs[-2], chain(x))
+    assert_equal(outs[-1], bigger(x))
+
+
 def test_sync_waiting_for_compiles_starts_the_waiting_ones_at_once(background):
     x = torch.randn(64)
-    with config.patch(COMPILE_DELAY_MS=600_000), ae.enabled():
+    with config.patch(COMPILE_COST_MS=600_000), ae.enabled():
         early = [chain(x) for _ in range(4)]    # kept: the same live outputs as later runs
         assert _entry().state is KeyState.WAITING
         ae.sync(wait_compiles=120)
@@ -97,7 +127,7 @@ def test_sync_waiting_for_compiles_starts_the_waiting_ones_at_once(background):
 
 def test_synchronous_compiles_never_wait(compiler):
     x = torch.randn(64)
-    with config.patch(ASYNC=False, COMPILE_DELAY_MS=600_000), ae.enabled():
+    with config.patch(ASYNC=False, COMPILE_COST_MS=600_000), ae.enabled():
         for _ in range(3):
             result = chain(x)
         assert _entry().state is KeyState.READY
@@ -105,11 +135,11 @@ def test_synchronous_compiles_never_wait(compiler):
     assert_equal(result, chain(x))
 
 
-def test_the_compile_delay_defaults_by_machine_size(monkeypatch):
-    for cores, delay in ((2, 2000), (4, 2000), (8, 0), (None, 2000)):
+def test_the_compile_cost_defaults_by_machine_size(monkeypatch):
+    for cores, cost in ((2, 2000), (4, 2000), (8, 0), (None, 2000)):
         monkeypatch.setattr(os, "cpu_count", lambda: cores)
         config.reload()
-        assert config.COMPILE_DELAY_MS == delay, cores
+        assert config.COMPILE_COST_MS == cost, cores
 
 
 def test_a_worker_crash_fails_that_segment_and_the_worker_restarts(background):
@@ -167,7 +197,7 @@ EXITING = textwrap.dedent("""
     import os, sys, time, torch
     sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
     import adaptive_eager as ae
-    from adaptive_eager.runtime import engine
+    from adaptive_eager.runtime import engine, scheduling
     from adaptive_eager.runtime.compiler import use_compiler
     from test_background import HangingCompiler
     x = torch.randn(64)

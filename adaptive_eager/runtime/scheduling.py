@@ -1,0 +1,96 @@
+"""Which hot key compiles next, and when: predicted saving, break-even, one compile at a time.
+
+# Note [Predicted saving]
+Fusion saves time only in the ops Inductor fuses. A matmul or convolution is called as an
+extern library kernel (dispatch/ops.py, EXTERN_OPS) and costs the same fused or not, so a
+segment is judged by its *fusible* time: what its ops compute outside extern ops (the least
+of its per-op runs). A fused kernel is taken to save FUSION_GAIN of that (measured: 34% for a
+LayerNorm+GELU+residual block at 2M elements, 89% for an 8-op pointwise chain at 8M). A
+segment whose time is nearly all in extern ops (more than EXTERN_BOUND_SHARE: a forward or
+backward chunk of matmuls) is never compiled: such chunks compiled for 17-38 s each on a
+transformer step and were then judged unprofitable anyway. One with some fusible time
+compiles later the less it saves (Note [When to compile]).
+
+# Note [When to compile]
+A background compile costs the program while it runs (the worker's CPU, on a small machine
+a share of the program's cores). Like renting skis before buying, a hot key's compile waits
+until the savings its per-op runs would have had fused add up to what the compile is taken to
+cost: COMPILE_COST_MS for a segment of up to OPS_PER_COMPILE_COST ops, more for longer ones
+(a compile's time grows with its graph: 3-6 s for a few ops, 17-38 s for 64): a program that ends sooner never pays for kernels it could not have
+used, one that runs on loses at most about that much. A key that runs often and saves much
+gets there fast (an 8M pointwise chain in a few runs); one that saves little, late. Savings
+are counted per run, not per second, so no decision depends on the wall clock.
+
+Due keys compile one at a time, the one that banked the most savings first (the worker
+compiles one graph at a time anyway; queued in the worker they would go first come, first
+served). The program keeps all its threads: the worker runs at a lower priority.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from adaptive_eager.config import config
+
+FUSION_GAIN = 0.5          # share of a segment's fusible time a kernel is taken to save
+EXTERN_BOUND_SHARE = 0.9   # more of its time in extern ops: never compiled
+OPS_PER_COMPILE_COST = 8   # a segment this long costs COMPILE_COST_MS to compile; longer, more
+
+
+def predicted_saving_s(entry: Any) -> float:
+    """Seconds one fused run of ``entry`` is expected to save over its per-op run."""
+    return entry.fusible_seconds * FUSION_GAIN
+
+
+def extern_bound(entry: Any) -> bool:
+    """Is nearly all of ``entry``'s time in extern ops (matmuls, convolutions)?"""
+    return entry.fusible_seconds < (1 - EXTERN_BOUND_SHARE) * entry.compute_seconds
+
+
+def compile_cost_s(entry: Any) -> float:
+    """What compiling ``entry`` is taken to cost the program (Note [When to compile])."""
+    scale = max(1.0, len(entry.segment.ops) / OPS_PER_COMPILE_COST)
+    return config.COMPILE_COST_MS / 1e3 * scale
+
+
+def is_due(entry: Any) -> bool:
+    """Have ``entry``'s runs banked what its compile costs?"""
+    return entry.banked_s >= compile_cost_s(entry)
+
+
+class CompileQueue:
+    """Hot keys waiting for their compile (state WAITING), with the savings they banked."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, Any] = {}      # digest -> KeyEntry
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, entry: Any) -> bool:
+        return self._waiting.get(entry.digest) is entry
+
+    def add(self, entry: Any) -> None:
+        """``entry`` turned hot: its runs so far count as if it had been fused."""
+        entry.banked_s = entry.seen * max(0.0, predicted_saving_s(entry))
+        self._waiting[entry.digest] = entry
+
+    def bank(self, entry: Any) -> None:
+        """One more per-op run of a waiting ``entry``."""
+        entry.banked_s += max(0.0, predicted_saving_s(entry))
+
+    def discard(self, entry: Any) -> None:
+        if self._waiting.get(entry.digest) is entry:
+            del self._waiting[entry.digest]
+
+    def pop_next(self, everything: bool = False) -> Any | None:
+        """The due key that banked the most (any waiting key: ``everything``), or None."""
+        due = [entry for entry in self._waiting.values()
+               if everything or is_due(entry)]
+        if not due:
+            return None
+        best = max(due, key=lambda entry: entry.banked_s)
+        del self._waiting[best.digest]
+        return best
+
+    def clear(self) -> None:
+        self._waiting.clear()
