@@ -218,8 +218,8 @@ def control_point() -> None:
     stack = _stack()
     if not stack:
         return
+    end_segment()                      # Note [Natural boundaries] (dispatch/control.py)
     runtime, mode = stack[-1]
-    runtime.flush()                    # Note [Natural boundaries] (dispatch/control.py)
     if runtime.pause_requested and _current_mode() is mode:
         seconds = runtime.paused_for()
         mode.__exit__(None, None, None)
@@ -232,6 +232,13 @@ def control_point() -> None:
         decide("resumed")
     if not any(r.pause_requested for r in engine.live_runtimes()):
         control.no_pause_pending()
+
+
+def end_segment() -> None:
+    """Note [Natural boundaries] (dispatch/control.py): end this thread's segment here."""
+    stack = _stack()
+    if stack:
+        stack[-1][0].flush()
 
 
 def pause_point_reached() -> bool:

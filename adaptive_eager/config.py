@@ -100,6 +100,13 @@ def small_machine() -> bool:
     return (os.cpu_count() or 1) <= SMALL_MACHINE_CORES
 
 
+def _percent(text: str) -> int:
+    value = _non_negative_int(text)
+    if value > 100:
+        raise ValueError("an integer from 0 to 100")
+    return value
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "adaptive_eager")
@@ -155,6 +162,10 @@ SETTINGS: tuple[Setting, ...] = (
             "this much per op (microseconds). The hot path costs more than this per op, and "
             "per-op timings under the runtime include its dispatch, so such a kernel could "
             "never beat plain eager."),
+    Setting("MAX_EXTERN_PERCENT", _percent, lambda: 90,
+            "Segments spending more than this share (percent) of their time in matmuls or "
+            "convolutions, which a kernel calls as they are, are never compiled: fusing the "
+            "ops around them cannot save much. 100: no such limit."),
     Setting("KEEP_UNPROFITABLE", _parse_bool, lambda: False,
             "1: keep every compiled kernel even when its runs are no faster than per-op "
             "(normally such keys go back to per-op for good, as 'unprofitable')."),

@@ -44,7 +44,7 @@ def run_both(make_state: Callable[[], object], step: Callable[[object], object],
 # Tests of the mechanics run tiny tensors, which the adaptive policy's cost gates would
 # (rightly) keep per-op, and want compiles to happen now, in the test's thread. The
 # fresh_runtime fixture applies these in-process; subprocesses get them as MECHANICS_ENV.
-MECHANICS = {"MIN_SEGMENT_US": 0, "MIN_US_PER_OP": 0, "KEEP_UNPROFITABLE": True,
-             "ASYNC": False, "PAUSE": False, "COMPILE_COST_MS": 0}
+MECHANICS = {"MIN_SEGMENT_US": 0, "MIN_US_PER_OP": 0, "MAX_EXTERN_PERCENT": 100,
+             "KEEP_UNPROFITABLE": True, "ASYNC": False, "PAUSE": False, "COMPILE_COST_MS": 0}
 MECHANICS_ENV = {f"NEURON_ADAPTIVE_EAGER_{name}": str(int(value))
                  for name, value in MECHANICS.items()}

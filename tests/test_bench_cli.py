@@ -42,7 +42,10 @@ def test_plot_without_matplotlib_is_one_line_and_exit_2(monkeypatch, capsys, tmp
 def test_eager_always_runs_first_as_the_reference():
     plan = runner.make_plan(["chain8"], ["tiny"], "compile,adaptive", iters=3)
     assert plan.modes == ("eager", "compile", "adaptive")
-    assert runner.make_plan().workloads == runner.DEFAULT_WORKLOADS
+    assert runner.make_plan().cases == runner.DEFAULT_CASES
+    assert ("train_step", "medium") in runner.DEFAULT_CASES       # where it does not pay yet
+    assert runner.make_plan(["chain8", "mlp"], ["tiny"]).cases == (("chain8", "tiny"),
+                                                                   ("mlp", "tiny"))
 
 
 # ---------------------------------------------------------------------- a real tiny run

@@ -22,6 +22,7 @@ BAD_VALUES = {
     "PAUSE_WINDOW": ("1.5", "integer >= 1"),
     "MIN_SEGMENT_US": ("-1", "integer >= 0"),
     "MIN_US_PER_OP": ("20us", "integer >= 0"),
+    "MAX_EXTERN_PERCENT": ("101", "from 0 to 100"),
     "KEEP_UNPROFITABLE": ("keep", "1/0"),
     "MAX_SHAPE_VARIANTS": ("0", "integer >= 1"),
     "BUFFER_POOL_MB": ("-1", "integer >= 0"),

@@ -16,10 +16,12 @@ from adaptive_eager.benchmarks.child import WARMUP_STEPS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench subcommand's arguments (no torch import: every CLI command builds them)."""
     parser.add_argument("--workload", nargs="+", metavar="NAME",
-                        help="workloads to run (default: chain8 ln_gelu_residual; "
-                             "--list shows all)")
+                        help="workloads to run (default: chain8 and ln_gelu_residual "
+                             "large, train_step and transformer_block medium; --list shows "
+                             "all)")
     parser.add_argument("--size", nargs="+", metavar="SIZE",
-                        help="tiny, medium and/or large (default: large)")
+                        help="tiny, medium and/or large (default: large, or the default's "
+                             "sizes)")
     parser.add_argument("--modes", metavar="M,M",
                         help="comma-separated among eager,adaptive,compile (default: all three; "
                              "eager always runs, it is the reference)")

@@ -19,10 +19,11 @@ from adaptive_eager.benchmarks import results
 from adaptive_eager.benchmarks.child import MODES
 from adaptive_eager.benchmarks.results import FAILED, MISMATCH, SKIPPED, Row
 
-# The main command's short embedded default: the two workloads the runtime is built for, at
-# the size where fusion pays (about a minute on 2 cores, three modes).
-DEFAULT_WORKLOADS = ("chain8", "ln_gelu_residual")
-DEFAULT_SIZES = ("large",)
+# The main command's embedded default (about two minutes on 2 cores, three modes): the two
+# workloads the runtime is built for, at the size where fusion pays, and a training step and
+# a transformer block, where it does not pay yet, so a newcomer sees both.
+DEFAULT_CASES = (("chain8", "large"), ("ln_gelu_residual", "large"),
+                 ("train_step", "medium"), ("transformer_block", "medium"))
 DEFAULT_ITERS = 10
 CHILD_TIMEOUT_S = 1800
 
@@ -33,14 +34,13 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    workloads: tuple[str, ...]
-    sizes: tuple[str, ...]
+    cases: tuple[tuple[str, str], ...]     # (workload, size)
     modes: tuple[str, ...]      # eager first: it is the reference
     iters: int
     device: str = "cpu"
 
     def runs(self) -> list[tuple[str, str, str]]:
-        return [(w, s, m) for w in self.workloads for s in self.sizes for m in self.modes]
+        return [(w, s, m) for w, s in self.cases for m in self.modes]
 
 
 def _choose(kind: str, given, accepted, default) -> tuple[str, ...]:
@@ -58,14 +58,19 @@ def make_plan(workloads=None, sizes=None, modes: str | None = None, iters: int =
     from adaptive_eager.benchmarks.workloads import SIZES, WORKLOADS
     if iters < 1:
         raise PlanError(f"--iters must be at least 1, got {iters}")
+    default_names = tuple(dict.fromkeys(name for name, _ in DEFAULT_CASES))
     names = _choose("workload", workloads, list(WORKLOADS),
-                    WORKLOADS if run_all else DEFAULT_WORKLOADS)
-    chosen_sizes = _choose("size", sizes, SIZES, SIZES if run_all else DEFAULT_SIZES)
+                    WORKLOADS if run_all else default_names)
+    chosen_sizes = _choose("size", sizes, SIZES, SIZES if run_all else ("large",))
+    if workloads or sizes or run_all:
+        cases = tuple((name, size) for name in names for size in chosen_sizes)
+    else:
+        cases = DEFAULT_CASES
     given_modes = [m.strip() for m in modes.split(",") if m.strip()] if modes else None
     chosen_modes = _choose("mode", given_modes, MODES, MODES)
     # Eager always runs, first: every other mode is checked and timed against it.
     ordered = ("eager",) + tuple(m for m in chosen_modes if m != "eager")
-    return Plan(names, chosen_sizes, ordered, iters, device)
+    return Plan(cases, ordered, iters, device)
 
 
 # ---------------------------------------------------------------------- one child
@@ -194,8 +199,7 @@ def run(plan: Plan, stream: TextIO | None = None) -> list[Row]:
     from adaptive_eager.benchmarks.workloads import WORKLOADS
     progress = _Progress(len(plan.runs()), stream or sys.stderr)
     rows = []
-    for name in plan.workloads:
-        for size in plan.sizes:
-            with tempfile.TemporaryDirectory(prefix=f"ae-bench-{name}-{size}-") as directory:
-                rows += run_case(WORKLOADS[name], size, plan, progress, directory)
+    for name, size in plan.cases:
+        with tempfile.TemporaryDirectory(prefix=f"ae-bench-{name}-{size}-") as directory:
+            rows += run_case(WORKLOADS[name], size, plan, progress, directory)
     return rows

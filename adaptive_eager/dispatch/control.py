@@ -42,7 +42,15 @@ def _control_point(*_args, **_kwargs) -> None:
 # phases whose ops change independently (a model's last layer and the loss, the last gradient
 # and the first parameter update) and grows to MAX_SEGMENT_OPS chunks whose compiles took
 # 17-38 s each on a transformer step. So every control point ends the segment being recorded
-# (and runs deferred work, as any segment end does).
+# (and runs deferred work, as any segment end does), and so does the end of a ``backward()``:
+# without it the backward's segment ran on into the next step's forward where no optimizer
+# step came between (gradient accumulation, evaluation), and its key changed with whatever
+# the program did next.
+
+
+def _end_segment() -> None:
+    from adaptive_eager import api
+    api.end_segment()
 
 
 def permanent_point(*_args, **_kwargs) -> None:
@@ -58,7 +66,9 @@ def _around(owner, name: str) -> None:
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         permanent_point()
-        return original(*args, **kwargs)
+        result = original(*args, **kwargs)
+        _end_segment()                  # Note [Natural boundaries]: the end of a backward
+        return result
     wrapper.__adaptive_eager_original__ = original
     setattr(owner, name, wrapper)
 

@@ -6,7 +6,7 @@ extern library kernel (dispatch/ops.py, EXTERN_OPS) and costs the same fused or 
 segment is judged by its *fusible* time: what its ops compute outside extern ops (the least
 of its per-op runs). A fused kernel is taken to save FUSION_GAIN of that (measured: 34% for a
 LayerNorm+GELU+residual block at 2M elements, 89% for an 8-op pointwise chain at 8M). A
-segment whose time is nearly all in extern ops (more than EXTERN_BOUND_SHARE: a forward or
+segment whose time is nearly all in extern ops (more than MAX_EXTERN_PERCENT: a forward or
 backward chunk of matmuls) is never compiled: such chunks compiled for 17-38 s each on a
 transformer step and were then judged unprofitable anyway. One with some fusible time
 compiles later the less it saves (Note [When to compile]).
@@ -32,7 +32,6 @@ from typing import Any
 from adaptive_eager.config import config
 
 FUSION_GAIN = 0.5          # share of a segment's fusible time a kernel is taken to save
-EXTERN_BOUND_SHARE = 0.9   # more of its time in extern ops: never compiled
 OPS_PER_COMPILE_COST = 8   # a segment this long costs COMPILE_COST_MS to compile; longer, more
 
 
@@ -42,8 +41,9 @@ def predicted_saving_s(entry: Any) -> float:
 
 
 def extern_bound(entry: Any) -> bool:
-    """Is nearly all of ``entry``'s time in extern ops (matmuls, convolutions)?"""
-    return entry.fusible_seconds < (1 - EXTERN_BOUND_SHARE) * entry.compute_seconds
+    """Is more than MAX_EXTERN_PERCENT of ``entry``'s time in extern ops (matmuls...)?"""
+    extern_seconds = entry.compute_seconds - entry.fusible_seconds
+    return extern_seconds * 100 > config.MAX_EXTERN_PERCENT * entry.compute_seconds
 
 
 def compile_cost_s(entry: Any) -> float:

@@ -1,4 +1,4 @@
-"""glibc's malloc thresholds are set where its own adaptation ends (Note [Allocator thresholds])."""
+"""Opt-in: glibc's malloc thresholds set where its own adaptation ends (Note [Allocator thresholds])."""
 import ctypes
 import os
 import subprocess
@@ -73,10 +73,11 @@ def test_a_programs_own_malloc_settings_are_kept(calls, monkeypatch, name, value
     assert calls == []
 
 
-def test_enable_tunes_malloc_unless_switched_off(calls):
-    with config.patch(MALLOC_TUNING=False), ae.enabled():
+def test_enable_leaves_malloc_alone_unless_asked(calls):
+    """No process-wide side effect by default: the thresholds are an opt-in."""
+    with ae.enabled():
         pass
     assert calls == []
-    with ae.enabled():
+    with config.patch(MALLOC_TUNING=True), ae.enabled():
         pass
     assert len(calls) == 2

@@ -12,9 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import adaptive_eager as ae
-from adaptive_eager import faults
 from adaptive_eager.config import config
-from adaptive_eager.runtime import policy
 from helpers import MECHANICS_ENV, assert_equal
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -112,31 +110,3 @@ def test_a_forked_child_leaves_the_parents_worker_and_cache_alone(tmp_path):
     assert report["after_child"] == report["before"], "the child wrote the parent's database"
     assert report["compiles"] == 2 and report["failures"] == 0
     assert report["fused_right"]
-
-
-def test_a_child_forked_during_a_compile_gets_the_programs_threads_back(monkeypatch):
-    """The program lends a thread to its compiles on a small machine; a child forked then
-    has no compile in flight, so it runs with the program's own count."""
-    monkeypatch.setattr(policy, "small_machine", lambda: True)
-    original = torch.get_num_threads()
-    threads = max(2, original)                      # one to lend, whatever the machine
-    torch.set_num_threads(threads)
-    try:
-        child = _fork_during_a_hanging_compile(threads)
-    finally:
-        torch.set_num_threads(original)
-    assert child == 0, "the forked child kept the thread lent to the parent's compile"
-
-
-def _fork_during_a_hanging_compile(threads: int) -> int:
-    x = torch.randn(64)
-    with faults.inject("worker_hang"), config.patch(ASYNC=True, COMPILE_TIMEOUT_S=60), \
-            ae.enabled():
-        for _ in range(4):
-            chain(x)                                # hot: its compile hangs in the worker
-        assert torch.get_num_threads() == threads - 1
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0 if torch.get_num_threads() == threads else 1)
-        assert torch.get_num_threads() == threads - 1       # the parent still compiles
-        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])

@@ -128,7 +128,7 @@ def test_small_models_forward_backward(name, compile_on):
     for buffer, eager_buffer in zip(model.buffers(), eager_model.buffers()):   # BN running stats
         assert_equal(buffer, eager_buffer, bitwise=not compile_on)
     stats = ae.stats()
-    if compile_on and name == "lstm":      # Inductor cannot run its kernel under autograd
-        assert stats.fallbacks["compiler_unsupported"] == 1 and stats.compiles == 0, stats
+    if compile_on and name == "lstm":      # Inductor cannot run its forward under autograd
+        assert stats.fallbacks["compiler_unsupported"] == 1, stats   # (its backward is apart)
     else:
         assert (stats.fused_executions >= 1) == compile_on, stats
