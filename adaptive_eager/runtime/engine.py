@@ -45,6 +45,7 @@ from adaptive_eager.fork_safety import reinit_in_child
 from adaptive_eager.runtime.buffers import BufferPool
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.graph import run_eagerly
+from adaptive_eager.runtime import scheduling
 from adaptive_eager.runtime.policy import KeyState, KeyTable
 from adaptive_eager.runtime.segment import SegmentBuilder, flatten_outputs, unflatten_outputs
 from adaptive_eager.runtime.stats import counters
@@ -475,13 +476,15 @@ class Runtime:
         points; a program that passed none since the quiet segments began (a bare loop of
         tensor ops) would pause for good, and a waiting compile starts only at a segment end,
         which a paused loop never reaches: its hot key would wait for ever. So while compiles
-        wait or run there, the runtime keeps intercepting."""
+        are due or run there, the runtime keeps intercepting (a key still banking keeps it
+        intercepting as long as it comes back: KeyEntry.promising)."""
         table = self.table
-        return bool(table.compiles_waiting or table.compiles_in_flight) and \
+        return bool(table.compiles_due or table.compiles_in_flight) and \
             not self._control_points_pass()
 
     def _weight(self, entry) -> int:
-        if entry.state in (KeyState.COMPILING, KeyState.WAITING):
+        if entry.state is KeyState.COMPILING or \
+                (entry.state is KeyState.WAITING and scheduling.is_due(entry)):
             return config.PAUSE_WINDOW
         if entry.churning:
             return CHEAP_CHURN_WEIGHT if entry.too_cheap else CHURN_WEIGHT
@@ -501,14 +504,14 @@ class Runtime:
 
     def paused_for(self) -> float:
         """Start a pause (at a control point): flush, and return how long it lasts. While
-        kernels compile or wait to (Note [When to compile] in runtime/policy.py), until one
-        of them lands (awaited_kernel_landed); else for the back-off, which each fruitless
+        kernels compile or are due to (Note [When to compile] in runtime/scheduling.py), until
+        one of them lands (awaited_kernel_landed); else for the back-off, which each fruitless
         pause doubles."""
         self.flush()
         self.pause_requested, self.quiet_segments, self.quiet_count = False, 0, 0
         self.unpaid_s = 0.0
         counters.add("pauses")
-        if (self.table.compiles_in_flight or self.table.compiles_waiting) and \
+        if (self.table.compiles_in_flight or self.table.compiles_due) and \
                 self._control_points_pass():
             self.awaited_answers = self.table.compiles_answered
             return PAUSE_LONGEST_S

@@ -128,13 +128,15 @@ class KeyEntry:
     @property
     def promising(self) -> bool:
         """Is fusion paying, or could it soon? (Nothing promising for long: the runtime
-        pauses, Note [Pausing].) A key waiting for its compile is, until it is due: only
-        its runs per-op bank the savings that start the compile (Note [When to compile]). A
-        key due or compiling is not: until its kernel lands, watching it gains nothing."""
+        pauses, Note [Pausing].) A key waiting for its compile is, once it came back after
+        turning hot and until it is due: only its runs per-op bank the savings that start the
+        compile (Note [When to compile]). (Keys made of per-step scalars turn hot within one
+        step, two parameters of one shape, and never come back.) A key due or compiling is
+        not: until its kernel lands, watching it gains nothing."""
         if self.state is KeyState.READY:
             return True
-        if self.state is KeyState.WAITING:
-            return not scheduling.is_due(self)
+        if self.state is KeyState.WAITING:        # and it came back since it turned hot:
+            return self.seen > config.HOT_THRESHOLD and not scheduling.is_due(self)
         # A key seen once is no evidence (dynamic shapes make new keys all the time).
         return self.state is KeyState.COLD and self.seen >= 2 \
             and self.segment.compute_ops >= MIN_COMPUTE_OPS and not self.too_cheap
@@ -415,11 +417,11 @@ class KeyTable:
         older = itertools.islice(self._entries.items(), len(self._entries) - 1)
         forgettable = list(itertools.islice(
             (key for key, entry in older
-             if entry.generic or entry.state not in (KeyState.READY, KeyState.COMPILING,
-                                                     KeyState.WAITING)),
+             if entry.generic or entry.state not in (KeyState.READY, KeyState.COMPILING)),
             excess))
         for key in forgettable:
             entry = self._entries.pop(key)
+            self._queue.discard(entry)       # waiting, but not seen for MAX_KEYS keys
             variant = self.kernels.get(entry.digest) if entry.generic else None
             if variant is not None:
                 self._drop_kernel(variant)
@@ -562,7 +564,8 @@ class KeyTable:
         if not (config.ASYNC and self.disk is not None):
             return False
         entry.state = KeyState.WAITING
-        self._queue.add(entry)
+        for dropped in self._queue.add(entry):
+            dropped.state = KeyState.COLD         # turns hot again if it comes back
         if not scheduling.is_due(entry):
             decide("compile_waits", key=entry.digest, banked_ms=round(entry.banked_s * 1e3, 3))
         self.start_due_compiles()
@@ -571,6 +574,11 @@ class KeyTable:
     @property
     def compiles_waiting(self) -> int:
         return len(self._queue)
+
+    @property
+    def compiles_due(self) -> int:
+        """Waiting compiles that paid for themselves: they start as the worker frees up."""
+        return self._queue.due_count()
 
     def start_due_compiles(self, everything: bool = False) -> None:
         """Start the due compile that banked the most, if none is in flight (every waiting

@@ -27,6 +27,7 @@ served). The program keeps all its threads: the worker runs at a lower priority.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from adaptive_eager.config import config
@@ -57,11 +58,15 @@ def is_due(entry: Any) -> bool:
     return entry.banked_s >= compile_cost_s(entry)
 
 
+MAX_WAITING = 256   # keys waiting to compile; past this the least recently seen is dropped
+
+
 class CompileQueue:
-    """Hot keys waiting for their compile (state WAITING), with the savings they banked."""
+    """Hot keys waiting for their compile (state WAITING), with the savings they banked,
+    least recently seen first (keys made of per-step scalars turn hot and never come back)."""
 
     def __init__(self) -> None:
-        self._waiting: dict[str, Any] = {}      # digest -> KeyEntry
+        self._waiting: OrderedDict[str, Any] = OrderedDict()      # digest -> KeyEntry
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -69,14 +74,24 @@ class CompileQueue:
     def __contains__(self, entry: Any) -> bool:
         return self._waiting.get(entry.digest) is entry
 
-    def add(self, entry: Any) -> None:
-        """``entry`` turned hot: its runs so far count as if it had been fused."""
+    def add(self, entry: Any) -> list:
+        """``entry`` turned hot: its runs so far count as if it had been fused. Returns the
+        keys dropped to make room (MAX_WAITING)."""
         entry.banked_s = entry.seen * max(0.0, predicted_saving_s(entry))
         self._waiting[entry.digest] = entry
+        dropped = []
+        while len(self._waiting) > MAX_WAITING:
+            dropped.append(self._waiting.popitem(last=False)[1])
+        return dropped
 
     def bank(self, entry: Any) -> None:
         """One more per-op run of a waiting ``entry``."""
         entry.banked_s += max(0.0, predicted_saving_s(entry))
+        if entry in self:
+            self._waiting.move_to_end(entry.digest)
+
+    def due_count(self) -> int:
+        return sum(map(is_due, self._waiting.values()))
 
     def discard(self, entry: Any) -> None:
         if self._waiting.get(entry.digest) is entry:
