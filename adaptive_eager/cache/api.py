@@ -178,19 +178,21 @@ def prune(store: Store, older_than_s: float | None = None, max_bytes: int | None
     if older_than_s is None and max_bytes is None:
         raise CacheError("prune needs --older-than and/or --max-size")
     records = sorted(store.records(), key=lambda r: r.last_used)
-    doomed = []
+    doomed: list[str] = []
     if older_than_s is not None:
         cutoff = time.time() - older_than_s
-        doomed = [r for r in records if r.last_used < cutoff]
+        doomed = [r.digest for r in records if r.last_used < cutoff]
     if max_bytes is not None:
-        kept = [r for r in records if r not in doomed]
+        # A set: a list here made pruning 50,000 records quadratic (minutes).
+        gone = set(doomed)
+        kept = [r for r in records if r.digest not in gone]
         size = sum(r.artifact_bytes or 0 for r in kept)
         for record in kept:
             if size <= max_bytes:
                 break
-            doomed.append(record)
+            doomed.append(record.digest)
             size -= record.artifact_bytes or 0
-    return store.delete([r.digest for r in doomed])
+    return store.delete(doomed)
 
 
 def verify(store: Store) -> dict:
