@@ -14,6 +14,7 @@ import os
 import platform
 import sqlite3
 import sys
+import threading
 import time
 
 from adaptive_eager.cache.store import INDUCTOR_DIR, SegmentRecord, Store
@@ -83,6 +84,9 @@ class DiskCache:
         self._forgotten: set[str] = set()       # descriptions to drop after the next flush
         self._flushes = 0
         self._last_flush = time.monotonic()
+        # Two threads may run the runtime: one's note() must not land in the batch the
+        # other's flush() is writing (lost counts), nor change it while it is read.
+        self._lock = threading.RLock()
         self._use_inductor_cache_inside()
         atexit.register(self.flush)
 
@@ -145,7 +149,8 @@ class DiskCache:
     def register(self, digest: str, describe, compiler_name: str) -> None:
         """Know a key: ``describe()`` returns its (ops, parts), rendered only when its record
         is first written (most keys of dynamic code are seen once and never are)."""
-        self._described[digest] = (describe, compiler_name)
+        with self._lock:
+            self._described[digest] = (describe, compiler_name)
 
     def knows(self, digest: str) -> bool:
         return digest in self._described
@@ -164,14 +169,15 @@ class DiskCache:
 
     def forget(self, digest: str) -> None:
         """The runtime no longer tracks ``digest``: drop what is kept of it once written."""
-        pending = self._pending.get(digest)
-        if pending is not None and self._worth_writing(digest, pending):
-            self._forgotten.add(digest)
-            if len(self._forgotten) >= FORGOTTEN_BATCH:    # bounded between flushes too
-                self.flush()
-            return
-        self._pending.pop(digest, None)
-        self._drop(digest)
+        with self._lock:
+            pending = self._pending.get(digest)
+            if pending is not None and self._worth_writing(digest, pending):
+                self._forgotten.add(digest)
+                if len(self._forgotten) >= FORGOTTEN_BATCH:    # bounded between flushes too
+                    self.flush()
+                return
+            self._pending.pop(digest, None)
+            self._drop(digest)
 
     def _drop(self, digest: str) -> None:
         self._described.pop(digest, None)
@@ -179,10 +185,11 @@ class DiskCache:
 
     def note(self, digest: str, **fields) -> None:
         """Queue fields for a registered key's record; ``seen``/``fused_runs`` are deltas."""
-        pending = self._pending.setdefault(digest, {"seen": 0, "fused_runs": 0})
-        for counter in ("seen", "fused_runs"):
-            pending[counter] += fields.pop(counter, 0)
-        pending.update(fields)
+        with self._lock:
+            pending = self._pending.setdefault(digest, {"seen": 0, "fused_runs": 0})
+            for counter in ("seen", "fused_runs"):
+                pending[counter] += fields.pop(counter, 0)
+            pending.update(fields)
 
     def _worth_writing(self, digest: str, fields: dict) -> bool:
         """A record is written once a key is seen twice or something was decided about it; a
@@ -195,6 +202,12 @@ class DiskCache:
             self.flush()
 
     def flush(self) -> None:
+        # The whole flush holds the lock, write included: two flushes writing at once could
+        # land an older decision after a newer one. It runs every FLUSH_INTERVAL_S at most.
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         self._last_flush = time.monotonic()
         pending, self._pending = self._pending, {}
         updates = []

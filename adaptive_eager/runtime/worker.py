@@ -274,20 +274,23 @@ class CompileWorker:
     def poll(self) -> list[CompileResult]:
         """Results that arrived, and failures for requests whose worker died or overran."""
         results = []
-        while True:
-            try:
-                kind, payload = self._results.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "result":
-                self._deadlines.pop(payload.request_id, None)
-                results.append(payload)
-            elif payload is self._process:
-                results += self._fail_all("worker_crashed: the compile worker exited "
-                                          f"with status {payload.wait()}")
-        if self._deadlines and min(d for d, _ in self._deadlines.values()) < time.monotonic():
-            self._kill()
-            results += self._fail_all(f"compile_timeout: no kernel after {self.timeout_s:g} s")
+        with self._lock:                  # another thread may be submitting (_deadlines)
+            while True:
+                try:
+                    kind, payload = self._results.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "result":
+                    self._deadlines.pop(payload.request_id, None)
+                    results.append(payload)
+                elif payload is self._process:
+                    results += self._fail_all("worker_crashed: the compile worker exited "
+                                              f"with status {payload.wait()}")
+            if self._deadlines and \
+                    min(d for d, _ in self._deadlines.values()) < time.monotonic():
+                self._kill()
+                results += self._fail_all(f"compile_timeout: no kernel after "
+                                          f"{self.timeout_s:g} s")
         return results
 
     def _fail_all(self, reason: str) -> list[CompileResult]:
@@ -322,16 +325,18 @@ class CompileWorker:
         """Stop the worker without making the program wait: an idle worker exits when its
         stdin closes; one still compiling is killed (its work would be lost anyway)."""
         atexit.unregister(self.close)
-        process, self._process = self._process, None
+        with self._lock:
+            process, self._process = self._process, None
+            busy = bool(self._deadlines)
+            self._deadlines.clear()
         if process is None:
             return
         try:
             process.stdin.close()
-            process.wait(timeout=0 if self._deadlines else 2)
+            process.wait(timeout=0 if busy else 2)
         except (OSError, subprocess.TimeoutExpired):
             process.kill()
             process.wait()
-        self._deadlines.clear()
 
 
 if __name__ == "__main__":
