@@ -6,7 +6,8 @@ import os
 import shutil
 import time
 
-from adaptive_eager.cache.store import INDUCTOR_DIR, CacheError, SegmentRecord, Store
+from adaptive_eager.cache.inductor_dir import inductor_dir, is_ours
+from adaptive_eager.cache.store import CacheError, SegmentRecord, Store
 
 SORT_KEYS = {
     "last-used": lambda r: -r.last_used,
@@ -163,12 +164,15 @@ def enable(store: Store, prefix: str) -> str:
 
 
 def clear(store: Store) -> int:
-    """Remove every record and artifact, and Inductor's cache kept beside them (it only makes
-    loading those artifacts fast, and grows with every compile); returns how many records
-    went. A program compiling into this directory meanwhile may see that compile fail (a
-    counted fallback), never an error of its own."""
+    """Remove every record and artifact, and the Inductor cache our compiles kept beside them
+    (it only makes loading those artifacts fast, and grows with every compile); returns how
+    many records went. Nothing we did not write: an Inductor directory without our marker
+    stays (Note [Our Inductor cache]). A program compiling into this directory meanwhile may
+    see that compile fail (a counted fallback), never an error of its own."""
     removed = store.delete([r.digest for r in store.records()])
-    shutil.rmtree(os.path.join(store.directory, INDUCTOR_DIR), ignore_errors=True)
+    ours = inductor_dir(store.directory)
+    if is_ours(ours):
+        shutil.rmtree(ours, ignore_errors=True)
     return removed
 
 

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from adaptive_eager.cache.store import INDUCTOR_DIR, SegmentRecord, Store
+from adaptive_eager.cache.store import SegmentRecord, Store
 from adaptive_eager.config import config
 
 log = logging.getLogger("adaptive_eager")
@@ -87,15 +87,7 @@ class DiskCache:
         # Two threads may run the runtime: one's note() must not land in the batch the
         # other's flush() is writing (lost counts), nor change it while it is read.
         self._lock = threading.RLock()
-        self._use_inductor_cache_inside()
         atexit.register(self.flush)
-
-    def _use_inductor_cache_inside(self) -> None:
-        # Loading an artifact is ~8 ms with a warm Inductor cache dir, ~5 s with an empty one
-        # (DESIGN.md): keep Inductor's cache beside our artifacts unless the user chose one.
-        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.store.directory,
-                                                                 INDUCTOR_DIR)
 
     @property
     def enabled(self) -> bool:

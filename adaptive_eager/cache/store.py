@@ -5,7 +5,8 @@ Layout of ``NEURON_ADAPTIVE_EAGER_CACHE_DIR``::
     segments.sqlite            records, table ``segments_v{FORMAT_VERSION}`` (WAL mode); the
                                format is also its ``user_version``
     artifacts/v{N}/<digest>.bin   Inductor artifacts (CompiledArtifact.save, binary format)
-    inductor/                  Inductor's own cache, kept inside ours so loads are fast
+    inductor/                  Inductor's cache for our compiles and loads only, so loads
+                               are fast (Note [Our Inductor cache] in cache/inductor_dir.py)
 
 Safe for several processes at once: WAL journaling, a busy timeout, counters written as
 deltas, artifacts written to a temporary file and renamed into place. A database that is not
@@ -36,7 +37,6 @@ log = logging.getLogger("adaptive_eager")
 FORMAT_VERSION = 1
 TABLE = f"segments_v{FORMAT_VERSION}"
 DB_NAME = "segments.sqlite"
-INDUCTOR_DIR = "inductor"    # Inductor's cache dir, unless the user set TORCHINDUCTOR_CACHE_DIR
 BUSY_TIMEOUT_S = 30.0
 STALE_TEMPORARY_S = 3600.0   # a temporary artifact this old belongs to no live writer
 

@@ -173,6 +173,17 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
+def _use_cache_dir(cache_dir: str) -> None:
+    """This process compiles for the program's cache directory (which the program may have
+    set with config.patch rather than its environment), and, being ours, keeps Inductor's
+    cache there throughout (Note [Our Inductor cache] in cache/inductor_dir.py)."""
+    from adaptive_eager.cache import inductor_dir
+    from adaptive_eager.config import config
+    os.environ["NEURON_ADAPTIVE_EAGER_CACHE_DIR"] = cache_dir
+    config.reload()
+    inductor_dir.use_for_process(cache_dir)
+
+
 def serve() -> None:
     """The worker's main loop: requests on stdin, results on (the original) stdout."""
     _die_with_parent()
@@ -183,6 +194,7 @@ def serve() -> None:
     if hello is None:
         return
     sys.path[:] = hello["sys_path"]                   # import what the parent can import
+    _use_cache_dir(hello["cache_dir"])
     try:
         os.nice(10)
     except OSError:
