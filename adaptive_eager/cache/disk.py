@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from adaptive_eager.cache import trust
 from adaptive_eager.cache.store import SegmentRecord, Store
 from adaptive_eager.config import config
 
@@ -87,6 +88,7 @@ class DiskCache:
         # Two threads may run the runtime: one's note() must not land in the batch the
         # other's flush() is writing (lost counts), nor change it while it is read.
         self._lock = threading.RLock()
+        self._distrust_told = False             # Note [Trusted cache]: one warning
         atexit.register(self.flush)
 
     @property
@@ -104,17 +106,34 @@ class DiskCache:
         return self.store.get(digest)
 
     def loadable_artifact(self, record: SegmentRecord, compiler_name: str) -> str | None:
-        """The record's artifact path, if it was built here-compatibly and is intact."""
+        """The record's artifact path, if it was built here-compatibly, is intact, and lies
+        where nobody else could have written it (else the segment is compiled afresh)."""
         if record.fingerprint != build_fingerprint(compiler_name) or not record.artifact:
             return None
-        return self._read_artifact(record)
+        path = self._read_artifact(record)
+        return path if path is not None and self.trusted(path) else None
+
+    def trusted(self, path: str) -> bool:
+        """May compiled code at ``path`` be loaded? Note [Trusted cache]; warns once."""
+        why = trust.why_untrusted(path, self.store.directory)
+        if why is None:
+            return True
+        if not self._distrust_told:
+            self._distrust_told = True
+            log.warning("not loading compiled kernels from the cache in %s: %s. Segments are "
+                        "compiled afresh; make the directory yours alone (chmod go-w), or set "
+                        "NEURON_ADAPTIVE_EAGER_CACHE_SHARED=1 if it is shared on purpose",
+                        self.store.directory, why)
+        return False
 
     @_guarded()
     def _read_artifact(self, record: SegmentRecord) -> str | None:
         return self.store.read_artifact(record)
 
     def load_kernel(self, path: str, compiler):
-        """A kernel from ``path``, or None if it does not load."""
+        """A kernel from ``path``, or None if it does not load (or must not)."""
+        if not self.trusted(path):
+            return None
         try:
             return compiler.load(path)
         except Exception as err:  # a damaged or foreign artifact: compile instead
@@ -124,7 +143,11 @@ class DiskCache:
 
     @_guarded(default={})
     def save_kernel(self, digest: str, kernel, compiler) -> dict:
-        """Persist a kernel; returns the record fields naming its artifact ({} if not saved)."""
+        """Persist a kernel; returns the record fields naming its artifact ({} if not saved,
+        as where no process would load it)."""
+        if trust.distrusted_dir(self.store.directory):
+            return {}
+
         def write(path: str) -> bool:
             try:
                 return compiler.save(kernel, path)

@@ -11,6 +11,7 @@ import sys
 import threading
 from typing import Iterator
 
+from adaptive_eager.cache import trust
 from adaptive_eager.fork_safety import reinit_in_child
 
 ENV_VAR = "TORCHINDUCTOR_CACHE_DIR"
@@ -61,7 +62,7 @@ def inductor_dir(cache_dir: str) -> str:
 def claim(directory: str) -> None:
     """Create ``directory`` for Inductor and mark it ours (so that `cache clear` may remove
     it). OSError when it cannot be written."""
-    os.makedirs(directory, exist_ok=True)
+    trust.make_dirs(os.path.dirname(directory), os.path.basename(directory))
     marker = os.path.join(directory, MARKER)
     if not os.path.exists(marker):
         with open(marker, "w") as handle:

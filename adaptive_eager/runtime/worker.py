@@ -32,6 +32,7 @@ import time
 from typing import Any, BinaryIO
 
 from adaptive_eager import faults
+from adaptive_eager.cache import trust
 
 _HEADER = struct.Struct("<Q")
 WORKER_LOG = "worker.log"      # in the cache directory: the worker's stderr
@@ -140,7 +141,10 @@ def _graph_of(wire: tuple):
 def _ship(digest: str, kernel, compiler, store) -> tuple | None:
     """Save ``kernel`` where the program can load it: (path, size, checksum), or None if it
     cannot be saved. Into the cache directory; where that cannot be written (read-only, disk
-    full), into a private temporary directory the runtime removes after loading."""
+    full) or must not be loaded from (Note [Trusted cache]), into a private temporary
+    directory the runtime removes after loading."""
+    if trust.distrusted_dir(store.directory):
+        return _ship_temporarily(kernel, compiler)
     write = lambda path: compiler.save(kernel, path)  # noqa: E731
     try:
         saved = store.save_artifact(digest, write)
@@ -155,6 +159,7 @@ def _ship_temporarily(kernel, compiler) -> tuple | None:
     path = os.path.join(tempfile.mkdtemp(prefix=TRANSFER_PREFIX), "kernel.bin")
     if not compiler.save(kernel, path):
         return None
+    os.chmod(path, trust.ARTIFACT_MODE)                    # not the umask's: Note [Trusted cache]
     with open(path, "rb") as handle:
         data = handle.read()
     return path, len(data), file_digest(data)
@@ -173,13 +178,14 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
-def _use_cache_dir(cache_dir: str) -> None:
-    """This process compiles for the program's cache directory (which the program may have
-    set with config.patch rather than its environment), and, being ours, keeps Inductor's
-    cache there throughout (Note [Our Inductor cache] in cache/inductor_dir.py)."""
+def _use_cache_dir(cache_dir: str, shared: bool) -> None:
+    """This process compiles for the program's cache directory, as the program sees it (it
+    may have set it with config.patch rather than its environment), and, being ours, keeps
+    Inductor's cache there throughout (Note [Our Inductor cache] in cache/inductor_dir.py)."""
     from adaptive_eager.cache import inductor_dir
     from adaptive_eager.config import config
     os.environ["NEURON_ADAPTIVE_EAGER_CACHE_DIR"] = cache_dir
+    os.environ["NEURON_ADAPTIVE_EAGER_CACHE_SHARED"] = str(int(shared))
     config.reload()
     inductor_dir.use_for_process(cache_dir)
 
@@ -194,7 +200,7 @@ def serve() -> None:
     if hello is None:
         return
     sys.path[:] = hello["sys_path"]                   # import what the parent can import
-    _use_cache_dir(hello["cache_dir"])
+    _use_cache_dir(hello["cache_dir"], hello.get("cache_shared", False))
     try:
         os.nice(10)
     except OSError:
@@ -258,7 +264,9 @@ class CompileWorker:
             process = subprocess.Popen([sys.executable, "-m", "adaptive_eager.runtime.worker"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=log, env=env, cwd=os.getcwd())
-        _send(process.stdin, {"sys_path": list(sys.path), "cache_dir": self.cache_dir})
+        from adaptive_eager.config import config
+        _send(process.stdin, {"sys_path": list(sys.path), "cache_dir": self.cache_dir,
+                              "cache_shared": config.CACHE_SHARED})
         threading.Thread(target=self._read, args=(process,), daemon=True,
                          name="adaptive-eager-compile-results").start()
         self._process = process
@@ -266,7 +274,7 @@ class CompileWorker:
 
     def _log(self):
         try:
-            os.makedirs(self.cache_dir, exist_ok=True)
+            trust.make_dirs(self.cache_dir)
             return open(os.path.join(self.cache_dir, WORKER_LOG), "ab")
         except OSError:                               # nowhere to write: drop it
             return open(os.devnull, "wb")
