@@ -1,6 +1,6 @@
 """Inductor's cache directory for our compiles and loads only (Note [Our Inductor cache]).
 
-This module does not import torch: the CLI uses it to clear the cache without torch.
+Only ``ours()`` imports torch: the CLI uses the rest to clear the cache without it.
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ MARKER = ".adaptive-eager"       # in an Inductor directory we made: only such a
 # memoize paths under the directory). A lock keeps two of our threads from interleaving
 # their swaps; a thread of the user compiling at the very same moment would see our
 # directory for that moment (its compile still works; its cache entry lands in ours). The
+# longest such moment is the CPU ISA probe before the first load (up to ~7 s, on our loader
+# thread, unless TORCHINDUCTOR_VEC_ISA_OK is set). The
 # compile worker is our process: it sets the variable once for itself (worker.serve), and
 # ours() does nothing there. Precompiled headers (codecache._HEADER_DIR) live under
 # Inductor's default directory whatever the variable says, and are not ours to clear.

@@ -32,7 +32,8 @@ import time
 from typing import Any, BinaryIO
 
 from adaptive_eager import faults
-from adaptive_eager.cache import trust
+from adaptive_eager.cache import inductor_dir, trust
+from adaptive_eager.config import config
 
 _HEADER = struct.Struct("<Q")
 WORKER_LOG = "worker.log"      # in the cache directory: the worker's stderr
@@ -182,8 +183,6 @@ def _use_cache_dir(cache_dir: str, shared: bool) -> None:
     """This process compiles for the program's cache directory, as the program sees it (it
     may have set it with config.patch rather than its environment), and, being ours, keeps
     Inductor's cache there throughout (Note [Our Inductor cache] in cache/inductor_dir.py)."""
-    from adaptive_eager.cache import inductor_dir
-    from adaptive_eager.config import config
     os.environ["NEURON_ADAPTIVE_EAGER_CACHE_DIR"] = cache_dir
     os.environ["NEURON_ADAPTIVE_EAGER_CACHE_SHARED"] = str(int(shared))
     config.reload()
@@ -264,7 +263,6 @@ class CompileWorker:
             process = subprocess.Popen([sys.executable, "-m", "adaptive_eager.runtime.worker"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=log, env=env, cwd=os.getcwd())
-        from adaptive_eager.config import config
         _send(process.stdin, {"sys_path": list(sys.path), "cache_dir": self.cache_dir,
                               "cache_shared": config.CACHE_SHARED})
         threading.Thread(target=self._read, args=(process,), daemon=True,
