@@ -184,6 +184,11 @@ SETTINGS: tuple[Setting, ...] = (
             "MALLOC_*_ or GLIBC_TUNABLES malloc settings are set. 0: leave malloc alone."),
     Setting("CACHE_DIR", _directory, _default_cache_dir,
             "Where compiled kernels and segment records are kept (shared by processes)."),
+    Setting("CACHE_SHARED", _parse_bool, lambda: False,
+            "1: the cache directory is shared with other users on purpose: create it with the "
+            "umask's permissions and load its artifacts whoever owns or can write them. 0: "
+            "create it private (0700) and never load compiled code from a cache directory or "
+            "artifact that another user owns or can write (one warning; compiled afresh)."),
     Setting("CACHE_SIZE", _positive_int, lambda: 256,
             "Compiled kernels kept loaded in memory; the least recently used are evicted."),
     Setting("MAX_KEYS", _positive_int, lambda: 10000,

@@ -79,6 +79,9 @@ def child_env(directory: str) -> dict[str, str]:
     """The child's environment: the caller's, with empty caches of its own."""
     env = dict(os.environ)
     env.pop("NEURON_ADAPTIVE_EAGER", None)   # the start-up hook would make every mode adaptive
+    # The child is our own process, so it may move Inductor's cache for the whole of it: the
+    # torch.compile mode must start as cold as ours (which always uses its own inside
+    # NEURON_ADAPTIVE_EAGER_CACHE_DIR: Note [Our Inductor cache] in cache/inductor_dir.py).
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(directory, "inductor")
     env["NEURON_ADAPTIVE_EAGER_CACHE_DIR"] = os.path.join(directory, "adaptive-eager")
     # Inductor's gcc ISA probes cost ~10 s per fresh process and tell nothing about the modes;

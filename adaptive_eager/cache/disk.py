@@ -14,9 +14,11 @@ import os
 import platform
 import sqlite3
 import sys
+import threading
 import time
 
-from adaptive_eager.cache.store import INDUCTOR_DIR, SegmentRecord, Store
+from adaptive_eager.cache import trust
+from adaptive_eager.cache.store import SegmentRecord, Store
 from adaptive_eager.config import config
 
 log = logging.getLogger("adaptive_eager")
@@ -83,15 +85,11 @@ class DiskCache:
         self._forgotten: set[str] = set()       # descriptions to drop after the next flush
         self._flushes = 0
         self._last_flush = time.monotonic()
-        self._use_inductor_cache_inside()
+        # Two threads may run the runtime: one's note() must not land in the batch the
+        # other's flush() is writing (lost counts), nor change it while it is read.
+        self._lock = threading.RLock()
+        self._distrust_told = False             # Note [Trusted cache]: one warning
         atexit.register(self.flush)
-
-    def _use_inductor_cache_inside(self) -> None:
-        # Loading an artifact is ~8 ms with a warm Inductor cache dir, ~5 s with an empty one
-        # (DESIGN.md): keep Inductor's cache beside our artifacts unless the user chose one.
-        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(self.store.directory,
-                                                                 INDUCTOR_DIR)
 
     @property
     def enabled(self) -> bool:
@@ -108,17 +106,34 @@ class DiskCache:
         return self.store.get(digest)
 
     def loadable_artifact(self, record: SegmentRecord, compiler_name: str) -> str | None:
-        """The record's artifact path, if it was built here-compatibly and is intact."""
+        """The record's artifact path, if it was built here-compatibly, is intact, and lies
+        where nobody else could have written it (else the segment is compiled afresh)."""
         if record.fingerprint != build_fingerprint(compiler_name) or not record.artifact:
             return None
-        return self._read_artifact(record)
+        path = self._read_artifact(record)
+        return path if path is not None and self.trusted(path) else None
+
+    def trusted(self, path: str) -> bool:
+        """May compiled code at ``path`` be loaded? Note [Trusted cache]; warns once."""
+        why = trust.why_untrusted(path, self.store.directory)
+        if why is None:
+            return True
+        if not self._distrust_told:
+            self._distrust_told = True
+            log.warning("not loading compiled kernels from the cache in %s: %s. Segments are "
+                        "compiled afresh; make the directory yours alone (chmod go-w), or set "
+                        "NEURON_ADAPTIVE_EAGER_CACHE_SHARED=1 if it is shared on purpose",
+                        self.store.directory, why)
+        return False
 
     @_guarded()
     def _read_artifact(self, record: SegmentRecord) -> str | None:
         return self.store.read_artifact(record)
 
     def load_kernel(self, path: str, compiler):
-        """A kernel from ``path``, or None if it does not load."""
+        """A kernel from ``path``, or None if it does not load (or must not)."""
+        if not self.trusted(path):
+            return None
         try:
             return compiler.load(path)
         except Exception as err:  # a damaged or foreign artifact: compile instead
@@ -128,7 +143,11 @@ class DiskCache:
 
     @_guarded(default={})
     def save_kernel(self, digest: str, kernel, compiler) -> dict:
-        """Persist a kernel; returns the record fields naming its artifact ({} if not saved)."""
+        """Persist a kernel; returns the record fields naming its artifact ({} if not saved,
+        as where no process would load it)."""
+        if trust.distrusted_dir(self.store.directory):
+            return {}
+
         def write(path: str) -> bool:
             try:
                 return compiler.save(kernel, path)
@@ -145,7 +164,8 @@ class DiskCache:
     def register(self, digest: str, describe, compiler_name: str) -> None:
         """Know a key: ``describe()`` returns its (ops, parts), rendered only when its record
         is first written (most keys of dynamic code are seen once and never are)."""
-        self._described[digest] = (describe, compiler_name)
+        with self._lock:
+            self._described[digest] = (describe, compiler_name)
 
     def knows(self, digest: str) -> bool:
         return digest in self._described
@@ -164,14 +184,15 @@ class DiskCache:
 
     def forget(self, digest: str) -> None:
         """The runtime no longer tracks ``digest``: drop what is kept of it once written."""
-        pending = self._pending.get(digest)
-        if pending is not None and self._worth_writing(digest, pending):
-            self._forgotten.add(digest)
-            if len(self._forgotten) >= FORGOTTEN_BATCH:    # bounded between flushes too
-                self.flush()
-            return
-        self._pending.pop(digest, None)
-        self._drop(digest)
+        with self._lock:
+            pending = self._pending.get(digest)
+            if pending is not None and self._worth_writing(digest, pending):
+                self._forgotten.add(digest)
+                if len(self._forgotten) >= FORGOTTEN_BATCH:    # bounded between flushes too
+                    self.flush()
+                return
+            self._pending.pop(digest, None)
+            self._drop(digest)
 
     def _drop(self, digest: str) -> None:
         self._described.pop(digest, None)
@@ -179,10 +200,11 @@ class DiskCache:
 
     def note(self, digest: str, **fields) -> None:
         """Queue fields for a registered key's record; ``seen``/``fused_runs`` are deltas."""
-        pending = self._pending.setdefault(digest, {"seen": 0, "fused_runs": 0})
-        for counter in ("seen", "fused_runs"):
-            pending[counter] += fields.pop(counter, 0)
-        pending.update(fields)
+        with self._lock:
+            pending = self._pending.setdefault(digest, {"seen": 0, "fused_runs": 0})
+            for counter in ("seen", "fused_runs"):
+                pending[counter] += fields.pop(counter, 0)
+            pending.update(fields)
 
     def _worth_writing(self, digest: str, fields: dict) -> bool:
         """A record is written once a key is seen twice or something was decided about it; a
@@ -195,6 +217,12 @@ class DiskCache:
             self.flush()
 
     def flush(self) -> None:
+        # The whole flush holds the lock, write included: two flushes writing at once could
+        # land an older decision after a newer one. It runs every FLUSH_INTERVAL_S at most.
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         self._last_flush = time.monotonic()
         pending, self._pending = self._pending, {}
         updates = []

@@ -5,7 +5,8 @@ Layout of ``NEURON_ADAPTIVE_EAGER_CACHE_DIR``::
     segments.sqlite            records, table ``segments_v{FORMAT_VERSION}`` (WAL mode); the
                                format is also its ``user_version``
     artifacts/v{N}/<digest>.bin   Inductor artifacts (CompiledArtifact.save, binary format)
-    inductor/                  Inductor's own cache, kept inside ours so loads are fast
+    inductor/                  Inductor's cache for our compiles and loads only, so loads
+                               are fast (Note [Our Inductor cache] in cache/inductor_dir.py)
 
 Safe for several processes at once: WAL journaling, a busy timeout, counters written as
 deltas, artifacts written to a temporary file and renamed into place. A database that is not
@@ -30,13 +31,13 @@ from typing import Callable, Iterator
 import xxhash
 
 from adaptive_eager import faults
+from adaptive_eager.cache import trust
 
 log = logging.getLogger("adaptive_eager")
 
 FORMAT_VERSION = 1
 TABLE = f"segments_v{FORMAT_VERSION}"
 DB_NAME = "segments.sqlite"
-INDUCTOR_DIR = "inductor"    # Inductor's cache dir, unless the user set TORCHINDUCTOR_CACHE_DIR
 BUSY_TIMEOUT_S = 30.0
 STALE_TEMPORARY_S = 3600.0   # a temporary artifact this old belongs to no live writer
 
@@ -109,7 +110,8 @@ class Store:
     def __init__(self, directory: str) -> None:
         self.directory = os.path.abspath(os.path.expanduser(directory))
         self.db_path = os.path.join(self.directory, DB_NAME)
-        self.artifact_dir = os.path.join(self.directory, "artifacts", f"v{FORMAT_VERSION}")
+        self._artifact_subdir = f"artifacts/v{FORMAT_VERSION}"
+        self.artifact_dir = os.path.join(self.directory, *self._artifact_subdir.split("/"))
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.RLock()
         self.disabled_reason: str | None = None
@@ -125,13 +127,17 @@ class Store:
             self._conn.close()
             self._conn = None
         if self._conn is None:
-            os.makedirs(self.artifact_dir, exist_ok=True)
+            self._make_dirs()
             try:
                 self._conn = self._open_checked()
             except sqlite3.DatabaseError as err:
                 self._set_aside_database(str(err))
                 self._conn = self._open_checked()
         return self._conn
+
+    def _make_dirs(self) -> None:
+        """The directory and its artifact directory, private (Note [Trusted cache])."""
+        trust.make_dirs(self.directory, self._artifact_subdir)
 
     def _open_checked(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.db_path, timeout=BUSY_TIMEOUT_S, check_same_thread=False,
@@ -283,13 +289,14 @@ class Store:
         segment at once never leave a record pointing at the other's bytes. Returns
         (file name, size, checksum), or None when ``write`` declined."""
         faults.check_disk_write(self.directory)
-        os.makedirs(self.artifact_dir, exist_ok=True)    # also after a `rm -rf` mid-run
+        self._make_dirs()                                # also after a `rm -rf` mid-run
         temporary = self.artifact_file(f"{digest}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
             if not write(temporary):
                 return None
             with open(temporary, "rb") as handle:
                 data = handle.read()
+            os.chmod(temporary, trust.ARTIFACT_MODE)     # not the umask's: Note [Trusted cache]
             checksum = file_digest(data)
             name = f"{digest}-{checksum}.bin"
             os.replace(temporary, self.artifact_file(name))

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from adaptive_eager import faults
+from adaptive_eager.cache import inductor_dir
 from adaptive_eager.fork_safety import reinit_in_child
 from adaptive_eager.runtime.graph import build_graph
 from adaptive_eager.runtime.segment import Segment
@@ -46,38 +47,43 @@ class Compiler(Protocol):
 
 
 class InductorCompiler:
-    """TorchInductor's standalone_compile on the raw aten graph (functionalizes in-place ops)."""
+    """TorchInductor's standalone_compile on the raw aten graph (functionalizes in-place ops).
+    Every call into Inductor uses our Inductor cache directory, and only those calls do
+    (Note [Our Inductor cache] in cache/inductor_dir.py)."""
 
     name = "inductor"
 
     def compile(self, graph: fx.GraphModule, example_inputs: list[torch.Tensor]) -> FusedKernel:
-        from torch._inductor import standalone_compile
-
         # It warns when it cannot bundle a saveable artifact (e.g. on an FX-cache hit). We do
         # not save artifacts (yet), and the user's program must not print our internals.
         quiet = logging.getLogger("torch._inductor.standalone_compile")
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         try:
-            return standalone_compile(graph, example_inputs,
-                                      dynamic_shapes="from_example_inputs")
+            with inductor_dir.ours():     # imports Inductor first, as the program would
+                from torch._inductor import standalone_compile
+                return standalone_compile(graph, example_inputs,
+                                          dynamic_shapes="from_example_inputs")
         finally:
             quiet.setLevel(level)
 
     def compile_generic(self, generic) -> tuple:
         """One kernel for every shape a runtime.generic.GenericSegment fits."""
         from adaptive_eager.runtime.generic import compile_generic
-        return compile_generic(generic)
+        with inductor_dir.ours():
+            return compile_generic(generic)
 
     def save(self, kernel: FusedKernel, path: str) -> bool:
         if not kernel.is_saveable():
             return False
-        kernel.save(path=path, format="binary")
+        with inductor_dir.ours():
+            kernel.save(path=path, format="binary")
         return True
 
     def load(self, path: str) -> FusedKernel:
-        from torch._inductor.standalone_compile import CompiledArtifact
-        return CompiledArtifact.load(path=path, format="binary")
+        with inductor_dir.ours():       # unpacks into Inductor's cache, then loads from it
+            from torch._inductor.standalone_compile import CompiledArtifact
+            return CompiledArtifact.load(path=path, format="binary")
 
     def prepare_load(self) -> None:
         """Do the one-time work of the first ``load`` ahead, so that the first kernel the
@@ -86,11 +92,9 @@ class InductorCompiler:
         set; cached for the process). Called on a daemon thread while the worker compiles;
         the ISA probe waits on a C++ compiler (GIL released), and neither is a compile of
         ours (Note [Why a process])."""
-        import torch._inductor.async_compile  # noqa: F401
-        import torch._inductor.compile_fx  # noqa: F401
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-        from torch._inductor.standalone_compile import CompiledArtifact  # noqa: F401
-        pick_vec_isa()
+        with inductor_dir.ours():       # imports Inductor as the program would, then the
+            from torch._inductor.cpu_vec_isa import pick_vec_isa   # probe builds test
+            pick_vec_isa()                                          # programs in its cache
 
 
 class StandInKernel:

@@ -842,13 +842,14 @@ class KeyTable:
     def touch(self, variant: Variant, seconds: float) -> None:
         """A fused run of ``variant`` took ``seconds``: count it, keep its kernel recently
         used."""
-        self.kernels.get(variant.entry.digest)
-        counters.add("cache_hits_memory")
-        entry = variant.entry
-        entry.fused_runs += 1
-        entry.add_sample(entry.fused_samples, seconds)
-        self._note(entry, fused_runs=1, fused_ms=entry.fused_ms)
-        self._judge_when_timed(variant)
+        with self._lock:                  # another thread's install may be evicting
+            self.kernels.get(variant.entry.digest)
+            counters.add("cache_hits_memory")
+            entry = variant.entry
+            entry.fused_runs += 1
+            entry.add_sample(entry.fused_samples, seconds)
+            self._note(entry, fused_runs=1, fused_ms=entry.fused_ms)
+            self._judge_when_timed(variant)
         self.maybe_flush()
 
     # Note [Side by side]: a kernel's runs are compared with plain eager runs of the same
@@ -873,8 +874,9 @@ class KeyTable:
 
     def touch_eager(self, variant: Variant, seconds: float) -> None:
         """A per-op run of ``variant``'s segment on trial took ``seconds`` inside its ops."""
-        variant.entry.add_sample(variant.entry.control_samples, seconds)
-        self._judge_when_timed(variant)
+        with self._lock:
+            variant.entry.add_sample(variant.entry.control_samples, seconds)
+            self._judge_when_timed(variant)
 
     def _judge_when_timed(self, variant: Variant) -> None:
         entry = variant.entry

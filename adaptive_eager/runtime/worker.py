@@ -32,6 +32,8 @@ import time
 from typing import Any, BinaryIO
 
 from adaptive_eager import faults
+from adaptive_eager.cache import inductor_dir, trust
+from adaptive_eager.config import config
 
 _HEADER = struct.Struct("<Q")
 WORKER_LOG = "worker.log"      # in the cache directory: the worker's stderr
@@ -140,7 +142,10 @@ def _graph_of(wire: tuple):
 def _ship(digest: str, kernel, compiler, store) -> tuple | None:
     """Save ``kernel`` where the program can load it: (path, size, checksum), or None if it
     cannot be saved. Into the cache directory; where that cannot be written (read-only, disk
-    full), into a private temporary directory the runtime removes after loading."""
+    full) or must not be loaded from (Note [Trusted cache]), into a private temporary
+    directory the runtime removes after loading."""
+    if trust.distrusted_dir(store.directory):
+        return _ship_temporarily(kernel, compiler)
     write = lambda path: compiler.save(kernel, path)  # noqa: E731
     try:
         saved = store.save_artifact(digest, write)
@@ -155,6 +160,7 @@ def _ship_temporarily(kernel, compiler) -> tuple | None:
     path = os.path.join(tempfile.mkdtemp(prefix=TRANSFER_PREFIX), "kernel.bin")
     if not compiler.save(kernel, path):
         return None
+    os.chmod(path, trust.ARTIFACT_MODE)                    # not the umask's: Note [Trusted cache]
     with open(path, "rb") as handle:
         data = handle.read()
     return path, len(data), file_digest(data)
@@ -173,6 +179,16 @@ def _die_with_parent() -> None:
         os._exit(0)
 
 
+def _use_cache_dir(cache_dir: str, shared: bool) -> None:
+    """This process compiles for the program's cache directory, as the program sees it (it
+    may have set it with config.patch rather than its environment), and, being ours, keeps
+    Inductor's cache there throughout (Note [Our Inductor cache] in cache/inductor_dir.py)."""
+    os.environ["NEURON_ADAPTIVE_EAGER_CACHE_DIR"] = cache_dir
+    os.environ["NEURON_ADAPTIVE_EAGER_CACHE_SHARED"] = str(int(shared))
+    config.reload()
+    inductor_dir.use_for_process(cache_dir)
+
+
 def serve() -> None:
     """The worker's main loop: requests on stdin, results on (the original) stdout."""
     _die_with_parent()
@@ -183,6 +199,7 @@ def serve() -> None:
     if hello is None:
         return
     sys.path[:] = hello["sys_path"]                   # import what the parent can import
+    _use_cache_dir(hello["cache_dir"], hello.get("cache_shared", False))
     try:
         os.nice(10)
     except OSError:
@@ -246,7 +263,8 @@ class CompileWorker:
             process = subprocess.Popen([sys.executable, "-m", "adaptive_eager.runtime.worker"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=log, env=env, cwd=os.getcwd())
-        _send(process.stdin, {"sys_path": list(sys.path), "cache_dir": self.cache_dir})
+        _send(process.stdin, {"sys_path": list(sys.path), "cache_dir": self.cache_dir,
+                              "cache_shared": config.CACHE_SHARED})
         threading.Thread(target=self._read, args=(process,), daemon=True,
                          name="adaptive-eager-compile-results").start()
         self._process = process
@@ -254,7 +272,7 @@ class CompileWorker:
 
     def _log(self):
         try:
-            os.makedirs(self.cache_dir, exist_ok=True)
+            trust.make_dirs(self.cache_dir)
             return open(os.path.join(self.cache_dir, WORKER_LOG), "ab")
         except OSError:                               # nowhere to write: drop it
             return open(os.devnull, "wb")
@@ -274,20 +292,23 @@ class CompileWorker:
     def poll(self) -> list[CompileResult]:
         """Results that arrived, and failures for requests whose worker died or overran."""
         results = []
-        while True:
-            try:
-                kind, payload = self._results.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "result":
-                self._deadlines.pop(payload.request_id, None)
-                results.append(payload)
-            elif payload is self._process:
-                results += self._fail_all("worker_crashed: the compile worker exited "
-                                          f"with status {payload.wait()}")
-        if self._deadlines and min(d for d, _ in self._deadlines.values()) < time.monotonic():
-            self._kill()
-            results += self._fail_all(f"compile_timeout: no kernel after {self.timeout_s:g} s")
+        with self._lock:                  # another thread may be submitting (_deadlines)
+            while True:
+                try:
+                    kind, payload = self._results.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "result":
+                    self._deadlines.pop(payload.request_id, None)
+                    results.append(payload)
+                elif payload is self._process:
+                    results += self._fail_all("worker_crashed: the compile worker exited "
+                                              f"with status {payload.wait()}")
+            if self._deadlines and \
+                    min(d for d, _ in self._deadlines.values()) < time.monotonic():
+                self._kill()
+                results += self._fail_all(f"compile_timeout: no kernel after "
+                                          f"{self.timeout_s:g} s")
         return results
 
     def _fail_all(self, reason: str) -> list[CompileResult]:
@@ -322,16 +343,18 @@ class CompileWorker:
         """Stop the worker without making the program wait: an idle worker exits when its
         stdin closes; one still compiling is killed (its work would be lost anyway)."""
         atexit.unregister(self.close)
-        process, self._process = self._process, None
+        with self._lock:
+            process, self._process = self._process, None
+            busy = bool(self._deadlines)
+            self._deadlines.clear()
         if process is None:
             return
         try:
             process.stdin.close()
-            process.wait(timeout=0 if self._deadlines else 2)
+            process.wait(timeout=0 if busy else 2)
         except (OSError, subprocess.TimeoutExpired):
             process.kill()
             process.wait()
-        self._deadlines.clear()
 
 
 if __name__ == "__main__":

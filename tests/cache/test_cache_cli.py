@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from adaptive_eager.cache.inductor_dir import claim
 from adaptive_eager.cache.store import Store
 from adaptive_eager.cli import main
 from adaptive_eager.config import config
@@ -97,6 +98,7 @@ def test_stats_verify_clear(cache_dir, capsys):
     assert _json(capsys, "verify", "--dir", cache_dir)["ok"] is True
     code, _, err = _cli(capsys, "clear", "--dir", cache_dir)       # no tty, no --yes
     assert code == 2 and "--yes" in err
+    claim(os.path.join(cache_dir, "inductor"))        # as our first compile does
     inductor = os.path.join(cache_dir, "inductor", "fxgraph")      # Inductor's, beside ours
     os.makedirs(inductor)
     with open(os.path.join(inductor, "entry"), "wb") as handle:

@@ -196,3 +196,22 @@ def test_kill_9_mid_write_loses_at_most_that_entry(tmp_path):
     report = store.verify()
     assert all("no record" in problem for problem in report["problems"])   # at most orphans
     store.close()
+
+
+def test_prune_of_50000_records_by_age_then_size(store):
+    """Pruning the largest store CACHE_MAX_ENTRIES allows: once by age, once by size over
+    what is left (the size pass must not compare every record with every doomed one)."""
+    now, count = time.time(), 50_000
+    store.records()                                          # creates the database
+    conn = sqlite3.connect(store.db_path)
+    rows = [(f"{i:016x}", "[]", '{"context": {}}', "ready", "t", "f", f"{i:016x}-x.bin", 10,
+             "x", now, now - i) for i in range(count)]      # record i was used i seconds ago
+    conn.executemany(f"INSERT INTO {TABLE} (digest, ops, parts, state, torch_version, "
+                     "fingerprint, artifact, artifact_bytes, artifact_xxh, created, last_used) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    conn.commit()
+    conn.close()
+    # The oldest 10,000 by age, then the oldest 30,000 of the rest by size: 10,000 x 10 B fit.
+    assert api.prune(store, older_than_s=count - 10_000 - 0.5, max_bytes=100_000) == 40_000
+    left = sorted(int(r.digest, 16) for r in store.records())
+    assert left == list(range(10_000))

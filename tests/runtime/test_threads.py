@@ -2,14 +2,20 @@
 the autograd engine's work is handled, and deferred tensors handed to another thread are
 filled first (Note [Handoffs])."""
 import concurrent.futures
+import contextlib
 import queue
+import sys
 import threading
+import time
 
 import pytest
 import torch
 
 import adaptive_eager as ae
+from adaptive_eager.cache.disk import DiskCache
+from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
+from adaptive_eager.runtime.worker import CompileRequest, CompileResult, CompileWorker
 from helpers import assert_equal
 
 
@@ -138,3 +144,149 @@ def test_a_deferred_tensor_handed_to_another_thread_is_filled_first(handoff):
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 seen = pool.submit(torch.sum, out).result()
     assert_equal(seen, chain(x).sum())
+
+
+# Note [Stress tests]: two threads hammer one piece of shared state, with the interpreter
+# switching threads every microsecond (instead of every 5 ms), for a bounded time. Without
+# the locks each test fails on almost every run (lost counts, or an error from a container
+# changed while it was read); with them the counts come out exact. Each thread stops at its
+# deadline, so the assertions count what was actually done, not a fixed amount.
+STRESS_S = 1.5
+
+
+@contextlib.contextmanager
+def _switching_often():
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(saved)
+
+
+def _hammer(work, threads: int = 2) -> list[int]:
+    """Run ``work(index, deadline)`` on ``threads`` threads at once; each returns how many
+    rounds it did. Re-raises the first error a thread raised."""
+    start = threading.Barrier(threads)
+
+    def run(index):
+        start.wait(timeout=30)
+        return work(index, time.monotonic() + STRESS_S)
+    with _switching_often(), concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        futures = [pool.submit(run, index) for index in range(threads)]
+        return [future.result(timeout=60) for future in futures]
+
+
+def third(x):
+    return ((x + 3).cos() * 2).sin()
+
+
+def fourth(x):
+    return ((x * x).sigmoid() - 1).abs()
+
+
+def test_two_threads_touching_kernels_while_the_lru_evicts():
+    """KeyTable.touch moves a kernel to the front of the LRU while another thread's install
+    evicts; every fused run is counted."""
+    x = torch.randn(64)
+    with config.patch(CACHE_SIZE=2), ae.enabled():
+        for step in (chain, other, third, fourth):
+            for _ in range(3):
+                step(x)
+    table = engine.shared_table()
+    entries = [entry for entry in table.entries() if len(entry.segment.ops) >= 2][:4]
+    assert len(entries) == 4
+    variants = []
+    for entry in entries:
+        with table._lock:
+            table._install(entry, lambda *args: None)
+            variants.append(table.kernels[entry.digest])
+    runs_before = sum(entry.fused_runs for entry in entries)
+
+    def work(index, deadline):
+        rounds = 0
+        while time.monotonic() < deadline:
+            if index == 0:                    # the program's fused runs
+                table.touch(variants[rounds % 4], 1e-4)
+                table.touch_eager(variants[(rounds + 1) % 4], 1e-4)
+            else:                             # kernels arriving, evicting others
+                with table._lock:             # as every install does
+                    table._install(entries[rounds % 4], lambda *args: None)
+            rounds += 1
+        return rounds
+    touched, _ = _hammer(work)
+    assert sum(entry.fused_runs for entry in entries) - runs_before == touched
+    assert len(table.kernels) == 2
+
+
+def test_two_threads_noting_and_flushing_the_disk_cache(tmp_path):
+    """DiskCache.note from one thread while another flushes: no counted sighting is lost."""
+    disk = DiskCache(str(tmp_path / "cache"))
+    written = {}
+
+    def write(updates):
+        for update in updates:
+            written[update["digest"]] = written.get(update["digest"], 0) + update["seen"]
+    disk.store.write = write
+    digests = [f"{index:016x}" for index in range(8)]
+    for digest in digests:
+        disk.register(digest, lambda: (["op"], {"context": {"torch_version": "t"}}), "counting")
+
+    def work(index, deadline):
+        rounds = 0
+        while time.monotonic() < deadline:
+            if index == 0:
+                disk.note(digests[rounds % 8], seen=1, eager_ms=0.1)
+            else:
+                disk.flush()
+            rounds += 1
+        return rounds
+    noted, _ = _hammer(work)
+    disk.flush()
+    pending = sum(fields["seen"] for fields in disk._pending.values())
+    assert sum(written.values()) + pending == noted
+    disk.close()
+
+
+class _Sink:
+    """A worker's stdin that takes every request and answers none."""
+
+    def write(self, data):
+        return len(data)
+
+    def flush(self):
+        pass
+
+
+def test_two_threads_submitting_and_polling_the_compile_worker(tmp_path):
+    """CompileWorker.poll scans the deadlines while another thread submits: every request
+    is answered once, and none is failed for a worker that never died."""
+    worker = CompileWorker(str(tmp_path / "cache"), timeout_s=600)
+    process = type("Process", (), {"stdin": _Sink(), "poll": lambda self: None})()
+    worker._ensure_started = lambda: process
+    answered = []
+    submitted = []
+    behind = 64                    # requests kept in flight, so that poll has deadlines to scan
+
+    def work(index, deadline):
+        rounds = 0
+        while time.monotonic() < deadline:
+            if index == 0:
+                worker.submit(CompileRequest(rounds, f"{rounds:016x}", (), (), ("m", "n"), 1))
+                submitted.append(rounds)
+                if rounds >= behind:
+                    answer = rounds - behind
+                    worker._results.put(("result", CompileResult(answer, f"{answer:016x}",
+                                                                  True)))
+            else:
+                answered.extend(worker.poll())
+            rounds += 1
+        return rounds
+    _hammer(work)
+    for answer in submitted[-behind:]:
+        worker._results.put(("result", CompileResult(answer, f"{answer:016x}", True)))
+    answered.extend(worker.poll())
+    assert all(result.ok for result in answered)
+    assert sorted(result.request_id for result in answered) == submitted
+    assert not worker._deadlines
+    worker.close()
