@@ -112,3 +112,14 @@ class TimedKernels(CountingCompiler):
                 module(*tensors)
             self.clock.advance(self.seconds)
         return kernel
+
+
+@contextlib.contextmanager
+def results_held(table):
+    """The compile worker's results wait, uncollected, until the block ends: what a test
+    checks while compiles are in flight does not race a fast worker."""
+    table._collect_compiles = lambda wait_s=0.0: None
+    try:
+        yield
+    finally:
+        del table._collect_compiles              # the method again
