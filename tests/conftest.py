@@ -26,20 +26,21 @@ import torch  # noqa: E402
 import adaptive_eager as ae  # noqa: E402
 from adaptive_eager.config import config  # noqa: E402
 from adaptive_eager.runtime.compiler import CountingCompiler, InductorCompiler, use_compiler  # noqa: E402
-from adaptive_eager.runtime import clock  # noqa: E402
+from adaptive_eager.runtime import clock, scheduling  # noqa: E402
 from helpers import MECHANICS, FakeClock  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def fresh_runtime(request, tmp_path):
+def fresh_runtime(request, tmp_path, monkeypatch):
     """Empty key table, counters and cache directory; HOT_THRESHOLD=2; the counting compiler
     unless the test is marked inductor. Tiny test tensors would never pass the adaptive
     policy's cost gates, so tests of the mechanics switch them off (test_adaptive turns them
-    back on)."""
+    back on), the extern-bound share included (helpers.MECHANICS)."""
     config.reload()
     ae.reset()
     compiler = InductorCompiler() if request.node.get_closest_marker("inductor") else \
         CountingCompiler()
+    monkeypatch.setattr(scheduling, "EXTERN_BOUND_SHARE", 1.0)   # never extern-bound
     with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache"), **MECHANICS), \
             use_compiler(compiler):
         yield compiler

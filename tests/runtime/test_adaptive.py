@@ -7,10 +7,10 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager.cache.store import Store
 from adaptive_eager.config import config
-from adaptive_eager.runtime import engine, policy
+from adaptive_eager.runtime import engine, policy, scheduling
 from adaptive_eager.runtime.compiler import use_compiler
 from adaptive_eager.runtime.policy import KeyState
-from helpers import TimedKernels, assert_equal, by_size
+from helpers import EXTERN_BOUND_SHARE, TimedKernels, assert_equal, by_size
 
 
 def chain(x):
@@ -34,6 +34,24 @@ def test_segments_too_cheap_to_repay_fusion_are_never_compiled(compiler, fake_cl
         assert by_length[16].reason == "too_cheap"
         assert by_length[1 << 12].state is KeyState.READY
     assert compiler.count == 1 and ae.stats().fallbacks["too_cheap"] == 1
+
+
+@pytest.mark.parametrize("mm_s, compiled", [(1e-3, False), (100e-6, True)])
+def test_segments_whose_time_is_in_matmuls_are_never_compiled(compiler, fake_clock,
+                                                               monkeypatch, mm_s, compiled):
+    """Note [Predicted saving]: a matmul costs the same fused or not. Its segment is
+    compiled only when more than 10% of its time is in the ops fusion can speed up (here
+    relu and mul, 10 us each: 2% beside a 1 ms matmul, 17% beside a 100 us one)."""
+    monkeypatch.setattr(scheduling, "EXTERN_BOUND_SHARE", EXTERN_BOUND_SHARE)
+    fake_clock.op_s = lambda op, args: mm_s if op is torch.ops.aten.mm.default else 10e-6
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with ae.enabled():
+        outs = [((a @ b).relu() * 2).sum().item() for _ in range(4)]
+        [entry] = engine.shared_table().entries()
+        assert entry.state is (KeyState.READY if compiled else KeyState.UNFUSIBLE)
+        assert entry.reason == (None if compiled else "extern_bound")
+    assert compiler.count == int(compiled)
+    assert outs == pytest.approx([((a @ b).relu() * 2).sum().item()] * 4, rel=1e-5)
 
 
 OP_S = 100e-6          # each op of the chain (5 ops), on the fake clock
