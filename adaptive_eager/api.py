@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import math
 import threading
-import time
 import weakref
 from typing import Iterator
 
@@ -15,7 +14,7 @@ from adaptive_eager.config import config
 from adaptive_eager.dispatch import control, escapes
 from adaptive_eager.dispatch.mode import AdaptiveMode
 from adaptive_eager.fork_safety import at_fork
-from adaptive_eager.runtime import engine
+from adaptive_eager.runtime import clock, engine
 from adaptive_eager.runtime.allocator import keep_freed_memory
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.policy import freeze_gc, unfreeze_gc
@@ -171,7 +170,7 @@ def _recall_pause(runtime) -> bool:
     runtime.quiet_segments, runtime.quiet_count = memory.quiet_segments, memory.quiet_count
     runtime.pause_backoff_s = memory.backoff_s
     runtime.awaited_answers = memory.awaited_answers
-    if memory.paused_until > time.monotonic() and not runtime.awaited_kernel_landed():
+    if memory.paused_until > clock.monotonic() and not runtime.awaited_kernel_landed():
         _paused_until[runtime] = memory.paused_until
         return True
     return False
@@ -223,9 +222,9 @@ def control_point() -> None:
     if runtime.pause_requested and _current_mode() is mode:
         seconds = runtime.paused_for()
         mode.__exit__(None, None, None)
-        _paused_until[runtime] = time.monotonic() + seconds
+        _paused_until[runtime] = clock.monotonic() + seconds
         decide("paused", seconds=seconds)
-    elif runtime in _paused_until and (time.monotonic() >= _paused_until[runtime]
+    elif runtime in _paused_until and (clock.monotonic() >= _paused_until[runtime]
                                        or runtime.awaited_kernel_landed()):
         del _paused_until[runtime]
         mode.__enter__()

@@ -26,15 +26,16 @@ import torch  # noqa: E402
 import adaptive_eager as ae  # noqa: E402
 from adaptive_eager.config import config  # noqa: E402
 from adaptive_eager.runtime.compiler import CountingCompiler, InductorCompiler, use_compiler  # noqa: E402
-from helpers import MECHANICS  # noqa: E402
+from adaptive_eager.runtime import clock  # noqa: E402
+from helpers import MECHANICS, FakeClock  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
-def fresh_runtime(request, tmp_path):
+def fresh_runtime(request, tmp_path, monkeypatch):
     """Empty key table, counters and cache directory; HOT_THRESHOLD=2; the counting compiler
     unless the test is marked inductor. Tiny test tensors would never pass the adaptive
     policy's cost gates, so tests of the mechanics switch them off (test_adaptive turns them
-    back on)."""
+    back on), the extern-bound share included (helpers.MECHANICS)."""
     config.reload()
     ae.reset()
     compiler = InductorCompiler() if request.node.get_closest_marker("inductor") else \
@@ -52,6 +53,23 @@ def fresh_runtime(request, tmp_path):
 @pytest.fixture
 def compiler(fresh_runtime):
     return fresh_runtime
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The runtime's policy reads a FakeClock (tests/helpers.py) instead of the machine's:
+    timings are what the test states, not what a busy machine measures (Note [Clock])."""
+    fake = FakeClock()
+    monkeypatch.setattr(clock, "perf_counter", fake.perf_counter)
+    monkeypatch.setattr(clock, "monotonic", fake.monotonic)
+    call = torch._ops.OpOverload.__call__
+
+    def timed_call(op, /, *args, **kwargs):
+        out = call(op, *args, **kwargs)
+        fake.ran(op, args)
+        return out
+    monkeypatch.setattr(torch._ops.OpOverload, "__call__", timed_call)
+    return fake
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,13 +1,14 @@
 """Helpers for comparing the runtime against plain eager PyTorch, the oracle."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable
 
 import torch
 
 import adaptive_eager as ae
-
+from adaptive_eager.runtime.compiler import CountingCompiler
 
 def assert_equal(actual, expected, bitwise: bool = False) -> None:
     """Same structure and values; ``bitwise`` demands identical bits (compilation off)."""
@@ -48,3 +49,76 @@ MECHANICS = {"MIN_SEGMENT_US": 0, "MIN_US_PER_OP": 0, "MAX_EXTERN_PERCENT": 100,
              "KEEP_UNPROFITABLE": True, "ASYNC": False, "PAUSE": False, "COMPILE_COST_MS": 0}
 MECHANICS_ENV = {f"NEURON_ADAPTIVE_EAGER_{name}": str(int(value))
                  for name, value in MECHANICS.items()}
+
+
+class FakeClock:
+    """The runtime's clock (adaptive_eager.runtime.clock, Note [Clock]) as a test states it,
+    one timeline for durations and deadlines. Time passes only while an aten op the runtime
+    calls runs (``op_s`` each: seconds, or a function of (op, args)), and when the test
+    ``advance``s it (the program's own time between ops, a pause waited out). The
+    ``fake_clock`` fixture (conftest.py) installs one."""
+
+    def __init__(self, op_s: float | Callable = 0.0) -> None:
+        self.now = 0.0
+        self.op_s = op_s
+        self._stopped = 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    monotonic = perf_counter
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def ran(self, op, args: tuple) -> None:
+        """``op`` ran (called from OpOverload.__call__ while the fixture is on)."""
+        if not self._stopped:
+            self.now += self.op_s(op, args) if callable(self.op_s) else self.op_s
+
+    @contextlib.contextmanager
+    def stopped(self):
+        """Ops run meanwhile take no time (a kernel's own ops: TimedKernels states its time)."""
+        self._stopped += 1
+        try:
+            yield
+        finally:
+            self._stopped -= 1
+
+
+def by_size(seconds_per_element: float) -> Callable:
+    """An ``op_s`` for FakeClock: an op takes this long per element of its largest tensor
+    argument (large tensors compute for long, tiny ones for next to nothing)."""
+    def op_s(op, args: tuple) -> float:
+        sizes = [a.numel() for a in args if isinstance(a, torch.Tensor)]
+        return seconds_per_element * max(sizes, default=1)
+    return op_s
+
+
+class TimedKernels(CountingCompiler):
+    """The stand-in compiler, whose kernels run for ``seconds`` of ``clock`` each, whatever
+    their ops would take."""
+
+    def __init__(self, clock: FakeClock, seconds: float) -> None:
+        super().__init__()
+        self.clock, self.seconds = clock, seconds
+
+    def compile(self, graph, example_inputs):
+        module = super().compile(graph, example_inputs)
+
+        def kernel(*tensors):
+            with self.clock.stopped():
+                module(*tensors)
+            self.clock.advance(self.seconds)
+        return kernel
+
+
+@contextlib.contextmanager
+def results_held(table):
+    """The compile worker's results wait, uncollected, until the block ends: what a test
+    checks while compiles are in flight does not race a fast worker."""
+    table._collect_compiles = lambda wait_s=0.0: None
+    try:
+        yield
+    finally:
+        del table._collect_compiles              # the method again

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import weakref
 from typing import Any, Iterator
 
@@ -42,6 +41,7 @@ from adaptive_eager.dispatch.escapes import raw_untyped_storage
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
 from adaptive_eager.fork_safety import reinit_in_child
+from adaptive_eager.runtime import clock
 from adaptive_eager.runtime.buffers import BufferPool
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.graph import run_eagerly
@@ -375,9 +375,9 @@ class Runtime:
     def _run_cold(self, func, op_class: OpClass, args, kwargs, signature,
                   known_inputs: int) -> Any:
         layouts = _out_layouts(op_class, args, kwargs) if op_class.out_args else None
-        started = time.perf_counter()
+        started = clock.perf_counter()
         out = func(*args, **kwargs)
-        elapsed = time.perf_counter() - started
+        elapsed = clock.perf_counter() - started
         self._builder.compute_seconds += elapsed
         if op_class.extern:                         # Note [Predicted saving]
             self._builder.extern_seconds += elapsed
@@ -417,7 +417,7 @@ class Runtime:
             return
         builder, self._builder = self._builder, None
         if builder:
-            seconds = time.perf_counter() - builder.started
+            seconds = clock.perf_counter() - builder.started
             entry = self.table.observe(builder.finish(builder.live_refs()), seconds,
                                        builder.compute_seconds, builder.extern_seconds)
             self.unpaid_s += min(max(0.0, seconds - builder.compute_seconds),
@@ -597,7 +597,7 @@ class Runtime:
             checker.keep_per_op_result(buffers, builder.inputs)   # it may have written some
             self._per_op += len(builder)
             return True
-        seconds = time.perf_counter() - builder.started
+        seconds = clock.perf_counter() - builder.started
         if checker is not None and not checker.passes(buffers, builder.inputs):
             self._reject(variant, checker, buffers, builder.inputs)
             self._per_op += len(builder)

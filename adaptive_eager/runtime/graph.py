@@ -7,7 +7,6 @@ into the kernel writing straight into the caller's memory, with no temporary.
 from __future__ import annotations
 
 import operator
-import time
 from typing import Iterable
 
 import torch
@@ -15,6 +14,7 @@ import torch.fx as fx
 
 from adaptive_eager.dispatch.ops import OpKind
 from adaptive_eager.dispatch.signature import Ref, TensorArg, decode
+from adaptive_eager.runtime import clock
 from adaptive_eager.runtime.segment import SINGLE, VOID, OpRecord, Segment, flatten_outputs
 
 aten = torch.ops.aten
@@ -74,9 +74,9 @@ def run_eagerly(ops: Iterable[OpRecord], inputs: list,
 
     for index, op in enumerate(ops):
         args, kwargs = _decode_call(op, tensor_of)
-        started = time.perf_counter()
+        started = clock.perf_counter()
         out = op.func(*args, **kwargs)
-        seconds += time.perf_counter() - started
+        seconds += clock.perf_counter() - started
         if op.kind is OpKind.MUTATING:
             continue
         for out_index, tensor in enumerate(flatten_outputs(out)[1]):

@@ -28,7 +28,7 @@ from adaptive_eager.cache.digest import stable_digest
 from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.cache.memory import KernelLRU
 from adaptive_eager.cache.store import SegmentRecord
-from adaptive_eager.config import config, small_machine
+from adaptive_eager.config import config
 from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS, without_shapes
 from adaptive_eager.runtime.compiler import compile_segment, current_compiler
 from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file

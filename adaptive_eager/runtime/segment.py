@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 import weakref
 from typing import Any, NamedTuple
 
@@ -36,6 +35,7 @@ from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason
 from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkeyable, encode_call,
                                                is_cpu_scalar, is_plain_tensor, tensor_arg,
                                                tensor_args, without_input_identity)
+from adaptive_eager.runtime import clock
 
 SINGLE, TUPLE, LIST, VOID = "single", "tuple", "list", "void"
 _new_tuple = tuple.__new__      # skips OpRecord's Python-level __new__: once per recorded op
@@ -123,7 +123,7 @@ class SegmentBuilder:
 
     def __init__(self, context: tuple) -> None:
         self.context = context
-        self.started = time.perf_counter()             # a segment's wall time starts here
+        self.started = clock.perf_counter()            # a segment's wall time starts here
         self.compute_seconds = 0.0                     # of which inside per-op calls
         self.extern_seconds = 0.0                      # of which inside extern ops (matmuls)
         self.ops: list[OpRecord] = []

@@ -160,15 +160,31 @@ def test_durations_and_sizes_parse_or_explain():
 
 
 KILLED_WRITER = """
-import sys
+import sys, threading
 from adaptive_eager.cache.store import Store
-store = Store(sys.argv[1])
+directory, stop_at = sys.argv[1], sys.argv[2]
+store = Store(directory)
+COMMITTED = 20
+def stop_here():
+    print("ready", flush=True)               # the parent kills it now
+    threading.Event().wait()
 def write(path):
     with open(path, "wb") as handle:
-        handle.write(b"k" * 200000)
+        handle.write(b"k" * 100000)
+        if stop_at == "artifact" and i == COMMITTED:
+            handle.flush()
+            stop_here()                      # half an artifact written
+        handle.write(b"k" * 100000)
     return True
-print("started", flush=True)
+upsert = Store._upsert
+def stopping_upsert(self, conn, update, now):
+    upsert(self, conn, update, now)
+    if stop_at == "transaction" and i == COMMITTED:
+        stop_here()                          # a record written, not committed
+Store._upsert = stopping_upsert
 for i in range(1000000):
+    if stop_at == "anywhere" and i == COMMITTED:
+        print("ready", flush=True)           # and goes on writing until killed
     digest = f"{i:016x}"
     name, size, checksum = store.save_artifact(digest, write)
     store.write([{"digest": digest, "ops": ["op"], "parts": {"context": {}}, "state": "ready",
@@ -177,24 +193,34 @@ for i in range(1000000):
 """
 
 
-def test_kill_9_mid_write_loses_at_most_that_entry(tmp_path):
+@pytest.mark.parametrize("stop_at", ["artifact", "transaction", "anywhere"])
+def test_kill_9_mid_write_loses_at_most_that_entry(tmp_path, stop_at):
+    """The writer says when it is where it is to be killed (in the middle of an artifact,
+    inside a transaction, or wherever it is once 20 entries are in): no sleep decides it."""
     import signal
     import subprocess
     import sys
     directory = tmp_path / "cache"
-    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(directory)],
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(directory), stop_at],
                               stdout=subprocess.PIPE, text=True)
-    assert writer.stdout.readline().strip() == "started"
-    time.sleep(1.5)
-    writer.send_signal(signal.SIGKILL)
-    writer.wait(timeout=60)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=60)
     store = Store(str(directory))
     records = store.records()
-    assert records and not store.set_aside                     # the database is intact
+    assert not store.set_aside                                 # the database is intact
+    if stop_at == "anywhere":
+        assert len(records) >= 20
+    else:
+        assert len(records) == 20                              # the 21st is lost, nothing else
     for record in records:                                     # every record's artifact too
         assert store.read_artifact(record) is not None, record.digest
     report = store.verify()
     assert all("no record" in problem for problem in report["problems"])   # at most orphans
+    if stop_at == "transaction":
+        assert len(report["problems"]) == 1                    # the 21st's artifact
     store.close()
 
 

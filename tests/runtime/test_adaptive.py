@@ -1,6 +1,5 @@
 """The adaptive policy's gates: too cheap to fuse, unprofitable kernels, megamorphic shapes."""
 import gc
-import time
 
 import pytest
 import torch
@@ -9,9 +8,9 @@ import adaptive_eager as ae
 from adaptive_eager.cache.store import Store
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine, policy
-from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+from adaptive_eager.runtime.compiler import use_compiler
 from adaptive_eager.runtime.policy import KeyState
-from helpers import assert_equal
+from helpers import TimedKernels, assert_equal, by_size
 
 
 def chain(x):
@@ -22,38 +21,54 @@ def _states():
     return [entry.state for entry in engine.shared_table().entries()]
 
 
-def test_segments_too_cheap_to_repay_fusion_are_never_compiled(compiler):
-    tiny, large = torch.randn(16), torch.randn(1 << 20)      # ~50 us vs ~5 ms of compute
+def test_segments_too_cheap_to_repay_fusion_are_never_compiled(compiler, fake_clock):
+    fake_clock.op_s = by_size(1e-6)                          # 1 us an element
+    tiny, large = torch.randn(16), torch.randn(1 << 12)      # 96 us vs ~25 ms of compute
     with config.patch(MIN_SEGMENT_US=1000, HOT_THRESHOLD=4), ae.enabled():
         for _ in range(6):
             chain(tiny).sum().item()
             chain(large).sum().item()
-        by_size = {e.segment.input_metas[0].shape[0]: e
-                   for e in engine.shared_table().entries()}
-        assert by_size[16].state is KeyState.UNFUSIBLE and by_size[16].reason == "too_cheap"
-        assert by_size[1 << 20].state is KeyState.READY
+        by_length = {e.segment.input_metas[0].shape[0]: e
+                     for e in engine.shared_table().entries()}
+        assert by_length[16].state is KeyState.UNFUSIBLE
+        assert by_length[16].reason == "too_cheap"
+        assert by_length[1 << 12].state is KeyState.READY
     assert compiler.count == 1 and ae.stats().fallbacks["too_cheap"] == 1
 
 
-class SlowKernels(CountingCompiler):
-    def compile(self, graph, example_inputs):
-        module = super().compile(graph, example_inputs)
+@pytest.mark.parametrize("mm_s, compiled", [(1e-3, False), (100e-6, True)])
+def test_segments_whose_time_is_in_matmuls_are_never_compiled(compiler, fake_clock,
+                                                               mm_s, compiled):
+    """Note [Predicted saving]: a matmul costs the same fused or not. Its segment is
+    compiled only when more than 10% of its time is in the ops fusion can speed up (here
+    relu and mul, 10 us each: 2% beside a 1 ms matmul, 17% beside a 100 us one)."""
+    fake_clock.op_s = lambda op, args: mm_s if op is torch.ops.aten.mm.default else 10e-6
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with config.patch(MAX_EXTERN_PERCENT=90), ae.enabled():      # the shipped limit
+        outs = [((a @ b).relu() * 2).sum().item() for _ in range(4)]
+        [entry] = engine.shared_table().entries()
+        assert entry.state is (KeyState.READY if compiled else KeyState.UNFUSIBLE)
+        assert entry.reason == (None if compiled else "extern_bound")
+    assert compiler.count == int(compiled)
+    assert outs == pytest.approx([((a @ b).relu() * 2).sum().item()] * 4, rel=1e-5)
 
-        def kernel(*tensors):
-            time.sleep(0.02)                          # far slower than the ops it replaces
-            module(*tensors)
-        return kernel
+
+OP_S = 100e-6          # each op of the chain (5 ops), on the fake clock
+SLOW_KERNEL_S = 0.02   # far slower than the ops it replaces
 
 
-def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings():
+def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings(fake_clock):
+    fake_clock.op_s = OP_S
     x = torch.randn(64)
-    with use_compiler(SlowKernels()), config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
+    with use_compiler(TimedKernels(fake_clock, SLOW_KERNEL_S)), \
+            config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
         outs = [chain(x) for _ in range(16)]
     for out in outs:
         assert_equal(out, chain(x))
     [entry] = engine.shared_table().entries()
     assert entry.state is KeyState.UNPROFITABLE
-    assert entry.fused_ms > 20 and entry.eager_ms < 20
+    assert entry.fused_ms == pytest.approx(SLOW_KERNEL_S * 1e3)
+    assert entry.eager_ms == pytest.approx(5 * OP_S * 1e3)
     assert "fused" in entry.reason and "eager" in entry.reason
     stats = ae.stats()
     # 2 per-op runs make it hot; a checked warm-up run; 3 timed runs, each beside a plain
@@ -62,7 +77,25 @@ def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings():
     assert stats.fallbacks["unprofitable"] == 1
     ae.reset()                                        # persisted for the next process
     [record] = Store(config.CACHE_DIR).records()
-    assert record.state == "unprofitable" and record.fused_ms > 20 and record.eager_ms < 20
+    assert record.state == "unprofitable"
+    assert record.fused_ms == pytest.approx(SLOW_KERNEL_S * 1e3)
+    assert record.eager_ms == pytest.approx(5 * OP_S * 1e3)
+
+
+def test_a_kernel_that_beats_per_op_by_the_margin_is_kept(fake_clock):
+    fake_clock.op_s = OP_S                            # 5 ops: 0.5 ms per-op
+    fused_s = 5 * OP_S * (1 - policy.PROFIT_MARGIN) * 0.99
+    x = torch.randn(64)
+    with use_compiler(TimedKernels(fake_clock, fused_s)), \
+            config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
+        outs = [chain(x) for _ in range(16)]
+        [entry] = engine.shared_table().entries()
+        assert entry.state is KeyState.READY and entry.judged and not entry.retimed
+    for out in outs:
+        assert_equal(out, chain(x))
+    assert "unprofitable" not in ae.stats().fallbacks
+    # a checked warm-up run, 3 timed runs beside 3 plain eager ones, then fused for good
+    assert ae.stats().fused_executions == 16 - 2 - 3
 
 
 def _kernel_of_chain(x):
@@ -143,9 +176,11 @@ def test_a_kernel_that_loses_its_first_trial_is_timed_once_more():
     assert "unprofitable" not in ae.stats().fallbacks
 
 
-def test_kept_unprofitable_kernels_with_the_setting(compiler):
+def test_kept_unprofitable_kernels_with_the_setting(fake_clock):
+    fake_clock.op_s = OP_S
     x = torch.randn(64)
-    with use_compiler(SlowKernels()), config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
+    with use_compiler(TimedKernels(fake_clock, SLOW_KERNEL_S)), \
+            config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
         for _ in range(8):
             chain(x)
         assert _states() == [KeyState.READY]

@@ -15,11 +15,14 @@ from adaptive_eager.config import config
 from adaptive_eager.runtime import engine, scheduling
 from adaptive_eager.runtime.compiler import CountingCompiler
 from adaptive_eager.runtime.policy import KeyState
-from helpers import MECHANICS_ENV, assert_equal
+from helpers import MECHANICS_ENV, assert_equal, results_held
 
 
 class HangingCompiler(CountingCompiler):
     def compile(self, graph, example_inputs):
+        marker = os.environ.get("ADAPTIVE_EAGER_TEST_HANGING")
+        if marker:
+            open(marker, "w").close()        # tell the test the compile is under way
         time.sleep(600)
 
 
@@ -101,10 +104,11 @@ def test_the_key_that_banked_most_compiles_first_one_at_a_time(background, monke
         outs = [_ran(chain, x) for _ in range(2)] + [_ran(bigger, x) for _ in range(2)]
         table = engine.shared_table()
         assert table.compiles_in_flight == 0 and table.compiles_waiting == 2
-        outs.append(_ran(bigger, x))             # banks 1.5 s: due, and starts
-        outs += [_ran(chain, x) for _ in range(120)]   # 1.22 s: due, but one is in flight
-        states = {len(e.segment.ops): e.state for e in table.entries()}
-        assert states == {6: KeyState.COMPILING, 5: KeyState.WAITING}
+        with results_held(table):                # however fast the worker
+            outs.append(_ran(bigger, x))         # banks 1.5 s: due, and starts
+            outs += [_ran(chain, x) for _ in range(120)]   # 1.22 s: due, but one is in flight
+            states = {len(e.segment.ops): e.state for e in table.entries()}
+            assert states == {6: KeyState.COMPILING, 5: KeyState.WAITING}
         ae.sync(wait_compiles=120)
         outs += [chain(x), bigger(x)]
     assert ae.stats().compiles == 2
@@ -204,20 +208,39 @@ EXITING = textwrap.dedent("""
     with use_compiler(HangingCompiler()), ae.enabled():
         for _ in range(4):
             ((x * 2 + 1).sin() * 3).cos()
-        time.sleep(1)
+        deadline = time.monotonic() + 120       # the worker starts and takes the compile
+        while not os.path.exists(os.environ["ADAPTIVE_EAGER_TEST_HANGING"]):
+            assert time.monotonic() < deadline, "the worker never started compiling"
+            time.sleep(0.01)
         print(engine.shared_table().worker._process.pid, flush=True)
 """)
 
 
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def test_the_program_exits_promptly_and_leaves_no_worker_behind(tmp_path):
     env = {**os.environ, **MECHANICS_ENV, "NEURON_ADAPTIVE_EAGER_ASYNC": "1",
-           "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path / "cache")}
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", EXITING, os.path.dirname(__file__)],
-                            env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    worker_pid = int(result.stdout.split()[0])
-    assert time.monotonic() - started < 60
-    time.sleep(0.5)
-    with pytest.raises(ProcessLookupError):
-        os.kill(worker_pid, 0)                                 # gone
+           "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path / "cache"),
+           "ADAPTIVE_EAGER_TEST_HANGING": str(tmp_path / "hanging")}
+    program = subprocess.Popen([sys.executable, "-c", EXITING, os.path.dirname(__file__)],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        line = program.stdout.readline()         # once its worker hangs in a compile
+        exiting = time.monotonic()
+        _, stderr = program.communicate(timeout=120)
+    finally:
+        program.kill()
+    assert program.returncode == 0, stderr
+    worker_pid = int(line)
+    assert time.monotonic() - exiting < 60                    # not the compile's 600 s
+    deadline = time.monotonic() + 30
+    while not _gone(worker_pid):                               # killed; its zombie reaped
+        assert time.monotonic() < deadline, "the worker outlived the program"
+        time.sleep(0.05)

@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import adaptive_eager as ae
-from adaptive_eager.config import config
 from helpers import MECHANICS_ENV, assert_equal
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
