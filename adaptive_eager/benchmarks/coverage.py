@@ -35,7 +35,7 @@ CACHES = ("dynamic", "static")
 # Every hot segment compiled at once and kept: parity is checked on kernels, not on per-op runs.
 FORCED = {"HOT_THRESHOLD": 2, "MIN_SEGMENT_US": 0, "MIN_US_PER_OP": 0,
           "KEEP_UNPROFITABLE": True, "ASYNC": False, "PAUSE": False, "COMPILE_DELAY_MS": 0}
-TIMED_REPS = 7          # alternating eager / runtime pairs whose medians are compared
+TIMED_REPS = 5          # alternating eager / runtime pairs whose medians are compared
 WARMUP_S = 3.0          # default settings: a hot key compiles after COMPILE_DELAY_MS (2 s)
 
 
