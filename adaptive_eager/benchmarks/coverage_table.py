@@ -88,7 +88,7 @@ def _fallbacks(result: Coverage, top: int = 3) -> str:
 
 def _ratio(result: Coverage, name: str) -> str:
     entry = result.timing.get(name)
-    return f"{entry['ratio']:.2f}" if entry else "-"
+    return f"{entry['ratio']:.2f} ({entry['fused_fraction']:.0%})" if entry else "-"
 
 
 def _tokens_per_s(result: Coverage, cache: str) -> str:
@@ -161,8 +161,9 @@ def markdown(results: list[Coverage], command: str) -> str:
         f"`cache_implementation=\"static\"`; the same tokens. Encoders do not generate (n/a).",
         "- **fused ops (forced)**: the share of the aten ops the runtime saw in the parity runs "
         "that ran inside a fused kernel; top fallbacks: why the rest ran per-op (counts).",
-        f"- **Ratios** (runtime time / eager time, below 1 is faster): default settings, "
-        f"kernels of the parity runs in the cache; after {WARMUP_S:.0f} s of runtime calls, "
+        f"- **Ratios** (runtime time / eager time, below 1 is faster): default settings and "
+        f"an empty kernel cache, as in a user's first run (in brackets: the share of ops fused "
+        f"in the timed and warm-up calls); after {WARMUP_S:.0f} s of runtime calls, "
         f"a wait for background compiles and 3 more calls, {TIMED_REPS} runtime calls alternate with "
         f"{TIMED_REPS} eager calls (`ae.paused()`) in one process; medians. A train step is "
         f"forward, backward and AdamW; a generate call is {NEW_TOKENS} tokens.", "",
