@@ -19,7 +19,7 @@ _SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128,
            **_SPECIAL}
-_GQA = {**_COMMON, "num_key_value_heads": 2}
+GQA = {**_COMMON, "num_key_value_heads": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Architecture:
         return auto.from_config(config).train()
 
 
-def _arch(name, model_type, kind=DECODER, base=_GQA, **fields) -> Architecture:
+def _arch(name, model_type, kind=DECODER, base=GQA, **fields) -> Architecture:
     return Architecture(name, model_type, kind, {**base, **fields})
 
 

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", nargs="+", metavar="TYPE",
                         help="with --coverage: these architectures (model types; default: all)")
     parser.add_argument("--no-timing", action="store_true",
-                        help="with --coverage: parity only, no steady timing")
+                        help="with --coverage: parity only, no steady timing (and no decode "
+                             "benchmark, which runs when every architecture does)")
 
 
 def _list_workloads() -> int:
@@ -83,6 +84,7 @@ def _run_coverage(options: argparse.Namespace) -> int:
     except runner.PlanError as err:
         return _error(str(err))
     results_ = coverage_table.run(archs, timing=not options.no_timing, json_path=options.json)
+    decode = None if options.no_timing or options.arch else coverage_table.run_decode()
     parts = ["adaptive-eager bench --coverage"]
     if options.arch:
         parts.append(f"--arch {' '.join(options.arch)}")
@@ -90,7 +92,7 @@ def _run_coverage(options: argparse.Namespace) -> int:
         parts.append("--no-timing")
     if options.markdown:
         parts.append(f"--markdown {options.markdown}")
-    coverage_table.write(results_, " ".join(parts), options.markdown, options.json)
+    coverage_table.write(results_, " ".join(parts), options.markdown, options.json, decode)
     return 0 if all(result.passed for result in results_) else 1
 
 

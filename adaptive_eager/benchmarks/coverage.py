@@ -223,6 +223,7 @@ def steady_ratio(eager_call, runtime_call, reps: int = TIMED_REPS) -> dict:
     seen = after.ops_seen - before.ops_seen
     eager_s, runtime_s = statistics.median(eager), statistics.median(runtime)
     return {"eager_s": eager_s, "runtime_s": runtime_s, "ratio": runtime_s / eager_s,
+            "eager_spread": (max(eager) - min(eager)) / eager_s,    # the machine's noise
             "fused_fraction": (after.fused_ops - before.fused_ops) / seen if seen else 0.0}
 
 

@@ -75,6 +75,51 @@ def write_json(results: list[Coverage], path: str) -> None:
         json.dump([result.as_dict() for result in results], file, indent=1)
 
 
+def run_decode() -> dict:
+    """The decode benchmark (decode.py) in a fresh process: its JSON, or {"error": why}."""
+    with tempfile.TemporaryDirectory(prefix="ae-coverage-decode-") as directory:
+        out = os.path.join(directory, "decode.json")
+        command = [sys.executable, "-m", "adaptive_eager.benchmarks.decode", "--out", out]
+        try:
+            done = subprocess.run(command, env=child_env(directory), capture_output=True,
+                                  text=True, timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {CHILD_TIMEOUT_S} s"}
+        if done.returncode != 0 or not os.path.exists(out):
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            return {"error": lines[-1] if lines else f"exit status {done.returncode}"}
+        with open(out) as file:
+            return json.load(file)
+
+
+def decode_section(decode: dict) -> list[str]:
+    """Markdown lines: tokens per second per cache and mode, and the ratios to eager."""
+    from adaptive_eager.benchmarks.decode import PROMPT, REPS, SMALL_LLAMA
+    fields = SMALL_LLAMA.fields
+    lines = ["## Decode loops", "",
+             f"Greedy `generate()` of {NEW_TOKENS} tokens after a {PROMPT}-token prompt on a "
+             f"small Llama ({fields['num_hidden_layers']} layers, hidden "
+             f"{fields['hidden_size']}, vocabulary {fields['vocab_size']}; "
+             f"`adaptive_eager/benchmarks/decode.py`). The runtime with default settings and an "
+             f"empty kernel cache, warmed up as above; torch.compile is transformers' own "
+             f"compiled decode step (`CompileConfig(mode=\"default\")`, allowed on the CPU). "
+             f"Eager, runtime and compiled calls alternate {REPS} times in one process; "
+             f"medians. The last column names modes whose tokens differed from eager's.", ""]
+    if "error" in decode:
+        return lines + [f"Not measured: {decode['error']}", ""]
+    lines += ["| cache | eager tok/s | runtime tok/s | runtime / eager | torch.compile tok/s "
+              "| compile / eager | ops fused (runtime) | mismatches |", "|---|---|---|---|---|---|---|---|"]
+    for cache, entry in decode.items():
+        rates = entry["tokens_per_s"]
+        eager, compiled = rates["eager"], rates.get("compile")
+        compile_cells = f"{compiled:.0f} | {compiled / eager:.2f}x" if compiled else "- | -"
+        lines.append(
+            f"| {cache} | {eager:.0f} | {rates['runtime']:.0f} | {rates['runtime'] / eager:.2f}x"
+            f" | {compile_cells} | {entry['fused_fraction']:.0%} | "
+            f"{', '.join(entry['mismatches']) or 'none'} |")
+    return lines + [""]
+
+
 # ---------------------------------------------------------------------- cells
 
 def _status(check: Check) -> str:
@@ -139,7 +184,7 @@ def _reasons(results: list[Coverage]) -> list[str]:
     return lines
 
 
-def markdown(results: list[Coverage], command: str) -> str:
+def markdown(results: list[Coverage], command: str, decode: dict | None = None) -> str:
     info = report.machine()
     table = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     table += ["| " + " | ".join(cells) + " |" for cells in rows(results)]
@@ -171,14 +216,18 @@ def markdown(results: list[Coverage], command: str) -> str:
     reasons = _reasons(results)
     if reasons:
         parts += ["## Reasons", "", *reasons, ""]
+    if decode is not None:
+        parts += decode_section(decode)
     return "\n".join(parts)
 
 
 def write(results: list[Coverage], command: str, markdown_path: str | None,
-          json_path: str | None) -> None:
+          json_path: str | None, decode: dict | None = None) -> None:
     print(text_table(results))
+    if decode is not None:
+        print(json.dumps(decode, indent=1))
     if markdown_path:
         with open(markdown_path, "w") as file:
-            file.write(markdown(results, command))
+            file.write(markdown(results, command, decode))
     if json_path:
         write_json(results, json_path)
