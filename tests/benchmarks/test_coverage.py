@@ -46,3 +46,35 @@ def test_a_difference_is_reported_not_hidden():
     assert "max abs diff" in coverage.difference([a + 1e-3], [a], bitwise=False)
     assert "1 of 3 elements" in coverage.difference(torch.tensor([1, 2, 3]),
                                                    torch.tensor([1, 2, 4]), bitwise=True)
+
+
+# ---------------------------------------------------------------------- the command and table
+
+def test_unknown_architecture_is_one_line_and_exit_2(capsys):
+    from adaptive_eager.cli import main
+    assert main(["bench", "--coverage", "--arch", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "llama" in err
+
+
+def _result(name, *statuses, timing=None):
+    names = ("train", "generate dynamic", "generate static")
+    checks = tuple(coverage.Check(n, s, "" if s == coverage.PASS else f"why {n}")
+                   for n, s in zip(names, statuses))
+    return coverage.Coverage(name, name.lower(), "decoder", checks, 200, 50,
+                             {"megamorphic": 7, "random": 3}, timing or {})
+
+
+def test_the_table_counts_failures_and_says_why():
+    from adaptive_eager.benchmarks import coverage_table
+    timing = {"train step": {"eager_s": 0.02, "runtime_s": 0.01, "ratio": 0.5,
+                             "fused_fraction": 0.25, "eager_spread": 0.1}}
+    results = [_result("A", "pass", "pass", "pass", timing=timing),
+               _result("B", "pass", "fail", "pass")]
+    assert not results[1].passed and results[0].fused_fraction == 0.25
+    page = coverage_table.markdown(results, "adaptive-eager bench --coverage")
+    assert "1 of 2 architectures (50%)" in page
+    assert "| B | decoder | pass | **FAIL** | pass | 25% | megamorphic 7, random 3 |" in page
+    assert "0.50 (25%)" in page
+    assert "- B, generate dynamic: fail: why generate dynamic" in page
+    assert coverage.Coverage.from_dict(results[1].as_dict()) == results[1]
