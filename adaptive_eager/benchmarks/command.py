@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "instead of the workloads; --markdown writes docs/coverage.md")
     parser.add_argument("--arch", nargs="+", metavar="TYPE",
                         help="with --coverage: these architectures (model types; default: all)")
+    parser.add_argument("--from-json", nargs="+", metavar="JSON",
+                        help="with --coverage: run nothing, show (and --markdown) the results "
+                             "that earlier --coverage --json runs, and decode.py, wrote")
     parser.add_argument("--no-timing", action="store_true",
                         help="with --coverage: parity only, no steady timing (and no decode "
                              "benchmark, which runs when every architecture does)")
@@ -83,9 +86,15 @@ def _run_coverage(options: argparse.Namespace) -> int:
         archs = coverage_table.choose(options.arch)
     except runner.PlanError as err:
         return _error(str(err))
-    results_ = coverage_table.run(archs, timing=not options.no_timing, json_path=options.json)
-    decode = None if options.no_timing or options.arch else coverage_table.run_decode()
+    if options.from_json:
+        results_, decode = coverage_table.load(options.from_json, archs)
+    else:
+        results_ = coverage_table.run(archs, timing=not options.no_timing,
+                                      json_path=options.json)
+        decode = None if options.no_timing or options.arch else coverage_table.run_decode()
     parts = ["adaptive-eager bench --coverage"]
+    if options.from_json:
+        parts.append(f"--from-json {' '.join(options.from_json)}")
     if options.arch:
         parts.append(f"--arch {' '.join(options.arch)}")
     if options.no_timing:

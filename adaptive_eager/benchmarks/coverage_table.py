@@ -120,6 +120,21 @@ def decode_section(decode: dict) -> list[str]:
     return lines + [""]
 
 
+def load(paths, archs) -> tuple[list[Coverage], dict | None]:
+    """Results saved by earlier runs (``--json``: a list; decode.py: a dict), in the order of
+    ``archs``, the first file's result winning; architectures no file holds are left out."""
+    found, decode = {}, None
+    for path in paths:
+        with open(path) as file:
+            data = json.load(file)
+        if isinstance(data, dict):
+            decode = data
+            continue
+        for entry in data:
+            found.setdefault(entry["model_type"], Coverage.from_dict(entry))
+    return [found[arch.model_type] for arch in archs if arch.model_type in found], decode
+
+
 # ---------------------------------------------------------------------- cells
 
 def _status(check: Check) -> str:
@@ -184,6 +199,17 @@ def _reasons(results: list[Coverage]) -> list[str]:
     return lines
 
 
+def _noise(results: list[Coverage]) -> str:
+    """A sentence on how much the same eager call varied while the ratios were measured."""
+    spreads = sorted(entry["eager_spread"] for result in results
+                     for entry in result.timing.values() if "eager_spread" in entry)
+    if not spreads:
+        return ""
+    return (f" The same eager call varied (max - min) by {spreads[len(spreads) // 2]:.0%} of its "
+            f"median in the middle row, {spreads[-1]:.0%} at most: ratios closer to 1 than "
+            f"that are within this machine's noise.")
+
+
 def markdown(results: list[Coverage], command: str, decode: dict | None = None) -> str:
     info = report.machine()
     table = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
@@ -211,8 +237,8 @@ def markdown(results: list[Coverage], command: str, decode: dict | None = None) 
         f"in the timed and warm-up calls); after {WARMUP_S:.0f} s of runtime calls, "
         f"a wait for background compiles and 3 more calls, {TIMED_REPS} runtime calls alternate with "
         f"{TIMED_REPS} eager calls (`ae.paused()`) in one process; medians. A train step is "
-        f"forward, backward and AdamW; a generate call is {NEW_TOKENS} tokens.", "",
-        *table, ""]
+        f"forward, backward and AdamW; a generate call is {NEW_TOKENS} tokens.{_noise(results)}",
+        "", *table, ""]
     reasons = _reasons(results)
     if reasons:
         parts += ["## Reasons", "", *reasons, ""]

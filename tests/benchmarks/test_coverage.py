@@ -3,6 +3,8 @@ architecture of the suite trains (AdamW) and generates greedily (dynamic and sta
 under the runtime with every hot segment fused by the counting stand-in compiler, which runs
 the recorded ops as they are, so losses, gradients, parameters and tokens equal eager's bits.
 The real-Inductor table is ``adaptive-eager bench --coverage`` (docs/coverage.md)."""
+import dataclasses
+
 import pytest
 
 from adaptive_eager.benchmarks import coverage
@@ -78,3 +80,17 @@ def test_the_table_counts_failures_and_says_why():
     assert "0.50 (25%)" in page
     assert "- B, generate dynamic: fail: why generate dynamic" in page
     assert coverage.Coverage.from_dict(results[1].as_dict()) == results[1]
+
+
+def test_saved_results_are_shown_again_in_the_suite_order(tmp_path, capsys):
+    from adaptive_eager.benchmarks import coverage_table
+    from adaptive_eager.cli import main
+    saved = [_result("Mistral", "pass", "pass", "pass"), _result("Llama", "pass", "pass", "fail")]
+    saved = [dataclasses.replace(r, model_type=r.name.lower()) for r in saved]
+    coverage_table.write_json(saved, str(tmp_path / "a.json"))
+    page = tmp_path / "coverage.md"
+    assert main(["bench", "--coverage", "--from-json", str(tmp_path / "a.json"),
+                 "--markdown", str(page)]) == 1                    # one failure: exit 1
+    text = page.read_text()
+    assert text.index("| Llama |") < text.index("| Mistral |")       # the suite's order
+    assert "1 of 2 architectures (50%)" in text
