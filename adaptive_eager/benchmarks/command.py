@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from-json", nargs="+", metavar="JSON",
                         help="with --coverage: run nothing, show (and --markdown) the results "
                              "that earlier --coverage --json runs, and decode.py, wrote")
+    parser.add_argument("--note", metavar="TEXT",
+                        help="with --coverage --markdown: a paragraph for the page (e.g. "
+                             "which runs and commits its saved results come from)")
     parser.add_argument("--no-timing", action="store_true",
                         help="with --coverage: parity only, no steady timing (and no decode "
                              "benchmark, which runs when every architecture does)")
@@ -101,7 +104,8 @@ def _run_coverage(options: argparse.Namespace) -> int:
         parts.append("--no-timing")
     if options.markdown:
         parts.append(f"--markdown {options.markdown}")
-    coverage_table.write(results_, " ".join(parts), options.markdown, options.json, decode)
+    coverage_table.write(results_, " ".join(parts), options.markdown, options.json, decode,
+                         options.note)
     return 0 if all(result.passed for result in results_) else 1
 
 

@@ -210,7 +210,8 @@ def _noise(results: list[Coverage]) -> str:
             f"that are within this machine's noise.")
 
 
-def markdown(results: list[Coverage], command: str, decode: dict | None = None) -> str:
+def markdown(results: list[Coverage], command: str, decode: dict | None = None,
+             note: str | None = None) -> str:
     info = report.machine()
     table = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     table += ["| " + " | ".join(cells) + " |" for cells in rows(results)]
@@ -221,6 +222,7 @@ def markdown(results: list[Coverage], command: str, decode: dict | None = None) 
         f"in a fresh process with empty caches, compiled by TorchInductor "
         f"(`TORCHINDUCTOR_VEC_ISA_OK=1`: the ISA probe skipped). Machine: "
         f"{report.machine_line(info)}.", "",
+        *([note, ""] if note else []),
         f"**{headline(results)}**", "",
         "Each architecture is a `transformers` model built from a tiny config (2 layers, "
         "hidden 32, vocabulary 128; random weights, nothing downloaded; see "
@@ -248,12 +250,12 @@ def markdown(results: list[Coverage], command: str, decode: dict | None = None) 
 
 
 def write(results: list[Coverage], command: str, markdown_path: str | None,
-          json_path: str | None, decode: dict | None = None) -> None:
+          json_path: str | None, decode: dict | None = None, note: str | None = None) -> None:
     print(text_table(results))
     if decode is not None:
         print(json.dumps(decode, indent=1))
     if markdown_path:
         with open(markdown_path, "w") as file:
-            file.write(markdown(results, command, decode))
+            file.write(markdown(results, command, decode, note))
     if json_path:
         write_json(results, json_path)
