@@ -155,27 +155,6 @@ def _classify(func: torch._ops.OpOverload) -> OpClass:
 
 _CLASS_CACHE: dict = {}
 
-# Note [Random only through dropout]
-# Attention kernels carry the nondeterministic_seeded tag because they can apply dropout; with
-# ``dropout_p == 0`` (every model in eval mode, most in training) they draw no random number.
-# Classed RANDOM, each attention call ended its segment: a Llama decode step was cut in two
-# per layer. So these ops are FUSIBLE where their dropout_p is 0 (op name -> argument position
-# of dropout_p; it is also accepted as a keyword).
-_SEEDED_ONLY_BY_DROPOUT = {"_scaled_dot_product_flash_attention_for_cpu": 3}
-_FUSIBLE = OpClass(OpKind.FUSIBLE)
-
-
-def classify_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> OpClass:
-    """The OpClass of this call: ``classify(func)``, except Note [Random only through dropout]."""
-    op_class = classify(func)
-    if op_class.reason is not Reason.RANDOM:
-        return op_class
-    position = _SEEDED_ONLY_BY_DROPOUT.get(func._opname)
-    if position is None:
-        return op_class
-    dropout_p = args[position] if len(args) > position else kwargs.get("dropout_p", 0.0)
-    return _FUSIBLE if dropout_p == 0 else op_class
-
 
 def classify(func: torch._ops.OpOverload) -> OpClass:
     """The OpClass of an op overload (memoized: classification reads the schema once)."""

@@ -56,16 +56,3 @@ def test_collectives_are_boundaries():
     importlib.import_module("torch.distributed._functional_collectives")  # registers the ops
     op = torch.ops._c10d_functional.all_reduce.default
     assert classify(op).reason is Reason.COLLECTIVE
-
-
-def test_attention_without_dropout_is_fusible_with_dropout_random():
-    # Note [Random only through dropout]: CPU attention draws random numbers only for dropout.
-    from adaptive_eager.dispatch.ops import classify_call
-    op = aten._scaled_dot_product_flash_attention_for_cpu.default
-    q = torch.randn(1, 2, 4, 8)
-    assert classify(op).reason is Reason.RANDOM
-    assert classify_call(op, (q, q, q), {}).kind is OpKind.FUSIBLE
-    assert classify_call(op, (q, q, q, 0.0, True), {}).kind is OpKind.FUSIBLE
-    assert classify_call(op, (q, q, q, 0.1), {}).reason is Reason.RANDOM
-    assert classify_call(op, (q, q, q), {"dropout_p": 0.1}).reason is Reason.RANDOM
-    assert classify_call(aten.native_dropout.default, (q, 0.0, True), {}).reason is Reason.RANDOM
