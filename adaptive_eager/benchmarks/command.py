@@ -35,6 +35,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", metavar="OUT", help="write a markdown page (BENCHMARKS.md)")
     parser.add_argument("--plot", metavar="OUT.png", help="bar chart of ratios (needs matplotlib)")
     parser.add_argument("--list", action="store_true", help="list workloads and sizes, run nothing")
+    parser.add_argument("--coverage", action="store_true",
+                        help="the real-model coverage suite (Hugging Face architectures) "
+                             "instead of the workloads; --markdown writes docs/coverage.md")
+    parser.add_argument("--arch", nargs="+", metavar="TYPE",
+                        help="with --coverage: these architectures (model types; default: all)")
+    parser.add_argument("--from-json", nargs="+", metavar="JSON",
+                        help="with --coverage: run nothing, show (and --markdown) the results "
+                             "that earlier --coverage --json runs, and decode.py, wrote")
+    parser.add_argument("--note", metavar="TEXT",
+                        help="with --coverage --markdown: a paragraph for the page (e.g. "
+                             "which runs and commits its saved results come from)")
+    parser.add_argument("--no-timing", action="store_true",
+                        help="with --coverage: parity only, no steady timing (and no decode "
+                             "benchmark, which runs when every architecture does)")
 
 
 def _list_workloads() -> int:
@@ -57,6 +71,8 @@ def run(options: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if options.list:
         return _list_workloads()
+    if options.coverage:
+        return _run_coverage(options)
     try:
         plan = runner.make_plan(options.workload, options.size, options.modes, options.iters,
                                 options.run_all, options.device)
@@ -67,6 +83,32 @@ def run(options: argparse.Namespace) -> int:
     rows = runner.run(plan)
     _write_outputs(options, plan, rows)
     return 1 if results.any_failure(rows) else 0
+
+
+def _run_coverage(options: argparse.Namespace) -> int:
+    from adaptive_eager.benchmarks import coverage_table
+    try:
+        archs = coverage_table.choose(options.arch)
+    except runner.PlanError as err:
+        return _error(str(err))
+    if options.from_json:
+        results_, decode = coverage_table.load(options.from_json, archs)
+    else:
+        results_ = coverage_table.run(archs, timing=not options.no_timing,
+                                      json_path=options.json)
+        decode = None if options.no_timing or options.arch else coverage_table.run_decode()
+    parts = ["adaptive-eager bench --coverage"]
+    if options.from_json:
+        parts.append(f"--from-json {' '.join(options.from_json)}")
+    if options.arch:
+        parts.append(f"--arch {' '.join(options.arch)}")
+    if options.no_timing:
+        parts.append("--no-timing")
+    if options.markdown:
+        parts.append(f"--markdown {options.markdown}")
+    coverage_table.write(results_, " ".join(parts), options.markdown, options.json, decode,
+                         options.note)
+    return 0 if all(result.passed for result in results_) else 1
 
 
 def command_line(options: argparse.Namespace) -> str:

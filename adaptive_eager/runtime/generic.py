@@ -27,6 +27,17 @@ compiling would be silently assumed at run time. So what it learned (guards such
 ``256*s0 > 4096`` when it picks a strategy by size, specializations, narrowed ranges) becomes
 the generic segment's ``conditions``, Python expressions that ``bind`` evaluates along with
 everything else (static dims, strides, dtype, device, shared sizes, sizes >= 2) before a call.
+
+# Note [Affine sizes]
+A decode loop with a growing cache (transformers' DynamicCache) concatenates the past keys, of
+length s, with the new token's: the output has length s + 1, and the attention mask is sliced
+to s + 1. No product of the varying sizes gives s + 1, so those segments had a compile per
+length up to MAX_SHAPE_VARIANTS, then ran per-op for good (megamorphic). So where no product
+fits, a size may be ``coeff * product + offset``. Two variants fit any such line, so an offset
+is only taken from at least MIN_AFFINE_VARIANTS variants, the third confirming it (the policy
+generalizes the last three shapes). A size ``s - 1`` at the smallest symbol value may be 1,
+which Inductor treats apart (broadcasting): what the compile assumed about it is a condition
+like any other, and each new shape's first fused run is checked (probation).
 """
 from __future__ import annotations
 
@@ -51,6 +62,7 @@ Dim = tuple[int, int]          # (input index, dim)
 MAX_SYMBOLS_PER_SIZE = 3       # an integer argument is c * (a product of at most this many)
 METAS_CACHE_SIZE = 64          # symbol-value tuples whose output metas a GenericSegment keeps
 MIN_SYMBOL_VALUE = 2           # Inductor specializes sizes 0 and 1; a symbol never takes them
+MIN_AFFINE_VARIANTS = 3        # two points fit any line: an offset must be confirmed by a third
 
 
 class NotGeneric(Exception):
@@ -59,14 +71,16 @@ class NotGeneric(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class SizeExpr:
-    """``coeff * prod(symbol values[j] for j in symbols)``: a size that follows the inputs.
+    """``coeff * prod(symbol values[j] for j in symbols) + offset``: a size that follows the
+    inputs (an offset: Note [Affine sizes]).
 
     Not a tuple on purpose: signature.decode would take a tuple for an int list."""
     coeff: int
     symbols: tuple[int, ...]
+    offset: int = 0
 
     def value(self, values: Sequence[int]) -> int:
-        return self.coeff * math.prod(values[j] for j in self.symbols)
+        return self.coeff * math.prod(values[j] for j in self.symbols) + self.offset
 
 
 Size = int | SizeExpr
@@ -79,7 +93,8 @@ def size_value(size: Size, values: Sequence[Any]) -> Any:
     result = values[size.symbols[0]] if size.symbols else 1
     for j in size.symbols[1:]:
         result = result * values[j]
-    return result * size.coeff if size.coeff != 1 else result
+    result = result * size.coeff if size.coeff != 1 else result
+    return result + size.offset if size.offset else result
 
 
 class GenericMeta(NamedTuple):
@@ -292,6 +307,9 @@ class _Fitter:
         if len(set(observed)) == 1:
             return observed[0]
         fits = [expr for expr in map(self._try, self.subsets, itertools.repeat(observed)) if expr]
+        if not fits and len(self.values) >= MIN_AFFINE_VARIANTS:   # Note [Affine sizes]
+            fits = [expr for expr in map(self._try_affine, self.subsets,
+                                         itertools.repeat(observed)) if expr]
         if len(fits) != 1:
             raise NotGeneric(f"sizes {list(observed)} follow {'no' if not fits else 'several'} "
                              f"products of the varying sizes")
@@ -303,6 +321,17 @@ class _Fitter:
         if observed[0] % base or observed[0] // base < 1:
             return None
         expr = SizeExpr(observed[0] // base, subset)
+        ok = all(expr.value(v) == o for v, o in zip(self.values, observed))
+        return expr if ok else None
+
+    def _try_affine(self, subset: tuple[int, ...], observed: Sequence[int]) -> SizeExpr | None:
+        products = [SizeExpr(1, subset).value(v) for v in self.values]
+        if products[1] == products[0] or (observed[1] - observed[0]) % (products[1] - products[0]):
+            return None
+        coeff = (observed[1] - observed[0]) // (products[1] - products[0])
+        if coeff < 1:
+            return None
+        expr = SizeExpr(coeff, subset, observed[0] - coeff * products[0])
         ok = all(expr.value(v) == o for v, o in zip(self.values, observed))
         return expr if ok else None
 
@@ -493,6 +522,8 @@ def build_generic_graph(generic: GenericSegment) -> fx.GraphModule:
                 node = graph.call_function(operator.mul, (node, sizes[j]))
             if value.coeff != 1:
                 node = graph.call_function(operator.mul, (value.coeff, node))
+            if value.offset:
+                node = graph.call_function(operator.add, (node, value.offset))
             exprs[value] = node
         return exprs[value]
 

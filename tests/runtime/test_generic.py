@@ -163,6 +163,49 @@ def test_generalize_refuses_what_is_not_a_product_of_varying_sizes():
         generalize([block_at(8)[0], block_at(8)[0]])
 
 
+def grow_cache(past, new):
+    """A decode step with a growing cache: past keys of length s, one new token, s + 1 out."""
+    keys = torch.cat([past, new.sin()], dim=-2)
+    flat = (keys * 2).view(keys.shape[0], keys.shape[1] * keys.shape[2], -1)
+    return flat[:, : keys.shape[1] * keys.shape[2] - 1].exp()
+
+
+def cache_at(length):
+    return torch.randn(2, length, 8), torch.randn(2, 1, 8)
+
+
+def _size_exprs(value):
+    if isinstance(value, SizeExpr):
+        yield value
+    elif isinstance(value, tuple):
+        for item in value:
+            yield from _size_exprs(item)
+
+
+def test_sizes_offset_from_the_varying_sizes_need_a_third_variant():
+    # Note [Affine sizes]: two variants fit any line; the third confirms s + 1 and s - 1.
+    with pytest.raises(NotGeneric, match="follow no products"):
+        generalize([record(grow_cache, *cache_at(n))[0] for n in (5, 9)])
+    generic = generalize([record(grow_cache, *cache_at(n))[0] for n in (5, 6, 9)])
+    sizes = set(_size_exprs(generic.calls))
+    assert {SizeExpr(8, (0,), 8), SizeExpr(8, (0,), 7)} <= sizes, sizes   # view, slice end
+    for length in (2, 5, 17, 40):
+        segment, expected, externals = record(grow_cache, *cache_at(length))
+        assert output_metas(generic, segment.input_metas) == recorded_metas(segment), length
+        graph = build_generic_graph(generic)
+        metas = output_metas(generic, segment.input_metas)
+        buffers = [metas[op][out].empty() for _, op, out in generic.example.live_refs]
+        with torch.no_grad():
+            graph(*externals, *buffers)
+        assert_equal(buffers[-1], expected, bitwise=True)
+
+
+def test_offsets_that_three_variants_refute_are_not_generic():
+    with pytest.raises(NotGeneric, match="follow no products"):
+        generalize([record(lambda x: x[:, : min(x.shape[1] - 1, 7)].exp(), torch.randn(2, n))[0]
+                    for n in (5, 6, 12)])
+
+
 # ------------------------------------------------------------------ the generic graph, eagerly
 
 def run_generic(kernel, generic, fn, inputs):
@@ -232,6 +275,22 @@ def test_one_inductor_kernel_updates_inputs_in_place_at_every_length():
             kernel, generic, accumulate, accumulate_inputs(length))
         assert_equal(buffers[-1], expected)
         assert_equal(inputs, eager_inputs)
+
+
+@pytest.mark.inductor
+def test_one_inductor_kernel_serves_a_growing_cache_at_every_length():
+    generic = generalize([record(grow_cache, *cache_at(n))[0] for n in (5, 6, 9)])
+    kernel, generic = compile_generic(generic)
+    for length in (5, 17, 40):
+        segment, expected, externals = record(grow_cache, *cache_at(length))
+        if generic.bind(segment.input_metas) is None:
+            continue                     # outside what the compile assumed: not served
+        metas = output_metas(generic, segment.input_metas)
+        buffers = [metas[op][out].empty() for _, op, out in generic.example.live_refs]
+        with torch.no_grad():
+            kernel(*externals, *buffers)
+        assert_equal(buffers[-1], expected)
+    assert generic.bind(record(grow_cache, *cache_at(40))[0].input_metas) is not None
 
 
 def prefix(x):

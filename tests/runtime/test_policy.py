@@ -175,3 +175,26 @@ def test_stats_is_a_frozen_record():
                  "per_op_executions", "divergences", "fallbacks"):
         assert name in as_dict
     assert isinstance(as_dict["fallbacks"], dict)
+
+
+def test_an_accumulating_index_put_on_cpu_is_not_compiled(compiler):
+    """Falcon's backward: CPU kernels of segments with index_put(accumulate=True) crashed the
+    process when run (see _KERNELS_FAIL); they run per-op, as eager, and others still fuse."""
+    index = torch.tensor([-2])
+
+    def step(x, accumulate):
+        grad = torch.ops.aten.index_put.default(x.new_zeros(2, 6, 8), [None, index],
+                                                x[:, :1].sin(), accumulate)
+        return grad * 2 + 1
+    x = torch.randn(2, 6, 8)
+    with ae.enabled():
+        accumulated = [step(x, True) for _ in range(4)]
+        states = _states_with("aten.index_put.default")
+        ae.reset()
+        assigned = [step(x, False) for _ in range(4)]
+        assigned_states = _states_with("aten.index_put.default")
+    assert states and all(s == (KeyState.UNFUSIBLE, "compiler_unsupported") for s in states)
+    assert KeyState.READY in [state for state, _ in assigned_states]
+    for actual, expected in ((accumulated, step(x, True)), (assigned, step(x, False))):
+        for result in actual:
+            assert torch.equal(result, expected)
