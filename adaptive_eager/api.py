@@ -224,13 +224,20 @@ def control_point() -> None:
         mode.__exit__(None, None, None)
         _paused_until[runtime] = clock.monotonic() + seconds
         decide("paused", seconds=seconds)
-    elif runtime in _paused_until and (clock.monotonic() >= _paused_until[runtime]
-                                       or runtime.awaited_kernel_landed()):
+    elif runtime in _paused_until and (_banked_a_kernel(runtime)
+                                       or clock.monotonic() >= _paused_until[runtime]):
         del _paused_until[runtime]
         mode.__enter__()
         decide("resumed")
     if not any(r.pause_requested for r in engine.live_runtimes()):
         control.no_pause_pending()
+
+
+def _banked_a_kernel(runtime) -> bool:
+    """While paused: bank the waiting keys' savings (Note [When to compile]), which may
+    start a compile; has a kernel landed since the pause began?"""
+    runtime.table.bank_while_paused()
+    return runtime.awaited_kernel_landed()
 
 
 def end_segment() -> None:

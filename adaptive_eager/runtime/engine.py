@@ -259,6 +259,7 @@ class Runtime:
         self.unpaid_s = 0.0                       # interception kernels have not paid for
         self._points_seen = control.points_passed()   # at the last segment end, and the
         self._segments_since_point = config.PAUSE_WINDOW   # segments since it moved (none yet)
+        self._segments_since_kernel = config.PAUSE_WINDOW  # and since a kernel last ran
         self.pause_requested = False
         self.pause_backoff_s = PAUSE_FIRST_S
         self.awaited_answers: int | None = None   # see awaited_kernel_landed()
@@ -431,6 +432,7 @@ class Runtime:
         ~1.4 ms a step beside ~50 intercepted ops a step held off every pause of a wide MLP's
         training, which ran 11-15% slower than eager. A kernel not yet judged (Note [Side by
         side]) is given the benefit of the doubt."""
+        self._segments_since_kernel = 0
         saving = variant.entry.saving_s
         if saving is None:
             self.unpaid_s = 0.0
@@ -454,6 +456,7 @@ class Runtime:
         control point would never notice, so there it does not pause while compiles wait or
         run."""
         self._count_control_points()
+        self._segments_since_kernel += 1
         if entry is None or entry.promising:
             self.quiet_segments = self.quiet_count = 0
             self.pause_backoff_s = PAUSE_FIRST_S
@@ -483,12 +486,19 @@ class Runtime:
             not self._control_points_pass()
 
     def _weight(self, entry) -> int:
-        if entry.state is KeyState.COMPILING or \
-                (entry.state is KeyState.WAITING and scheduling.is_due(entry)):
-            return config.PAUSE_WINDOW
+        if entry.state is KeyState.COMPILING or (entry.state is KeyState.WAITING and (
+                scheduling.is_due(entry) or not scheduling.worth_watching(entry))):
+            # its kernel is coming, or it banks better paused: at a control point, at once,
+            # unless a kernel runs (a pause would stop it): then as a hopeless key
+            if not self._control_points_pass():
+                return 1
+            return HOPELESS_WEIGHT if self._kernel_ran_lately() else config.PAUSE_WINDOW
         if entry.churning:
             return CHEAP_CHURN_WEIGHT if entry.too_cheap else CHURN_WEIGHT
         return HOPELESS_WEIGHT if entry.hopeless else 1
+
+    def _kernel_ran_lately(self) -> bool:
+        return self._segments_since_kernel < config.PAUSE_WINDOW
 
     def _count_control_points(self) -> None:
         points = control.points_passed()
@@ -506,7 +516,7 @@ class Runtime:
         """Start a pause (at a control point): flush, and return how long it lasts. While
         kernels compile or are due to (Note [When to compile] in runtime/scheduling.py), until
         one of them lands (awaited_kernel_landed); else for the back-off, which each fruitless
-        pause doubles."""
+        pause doubles, or until a kernel lands (keys banking while paused start compiles)."""
         self.flush()
         self.pause_requested, self.quiet_segments, self.quiet_count = False, 0, 0
         self.unpaid_s = 0.0
@@ -515,7 +525,7 @@ class Runtime:
                 self._control_points_pass():
             self.awaited_answers = self.table.compiles_answered
             return PAUSE_LONGEST_S
-        self.awaited_answers = None
+        self.awaited_answers = self.table.compiles_answered
         seconds, self.pause_backoff_s = self.pause_backoff_s, min(self.pause_backoff_s * 2,
                                                                    PAUSE_LONGEST_S)
         return seconds

@@ -37,7 +37,8 @@ from adaptive_eager.runtime.decisions import decide, logged as decision_logged
 from adaptive_eager.runtime.describe import key_parts, op_lines
 from adaptive_eager.runtime.generic import fits, generalize
 from adaptive_eager.runtime.generic import from_wire as from_generic_wire
-from adaptive_eager.runtime import scheduling
+from adaptive_eager.dispatch import control
+from adaptive_eager.runtime import clock, scheduling
 from adaptive_eager.runtime.scheduling import CompileQueue
 from adaptive_eager.runtime.segment import Segment, to_wire
 from adaptive_eager.runtime.stats import counters
@@ -97,7 +98,12 @@ class KeyEntry:
     generic: bool = False              # runs its structure's generic kernel
     generic_refused: bool = False      # that kernel does not fit its shape
     recalled: bool = False             # its stored record looked up (KeyTable._recall)
-    first_seen: float = dataclasses.field(default_factory=time.monotonic)
+    first_seen: float = dataclasses.field(default_factory=lambda: clock.monotonic())
+    last_seen: float = 0.0             # clock.monotonic() at its latest sighting
+    first_point: int = dataclasses.field(default_factory=lambda: control.points_passed())
+    last_point: int = 0                # control.points_passed() then: did it recur across
+                                       # steps (Note [When to compile])?
+    credited_at: float = 0.0           # its banked savings run up to here
     seen_noted: int = 0                # of ``seen``, how many the disk cache was told of
 
     @functools.cached_property
@@ -133,11 +139,13 @@ class KeyEntry:
         turning hot and until it is due: only its runs per-op bank the savings that start the
         compile (Note [When to compile]). (Keys made of per-step scalars turn hot within one
         step, two parameters of one shape, and never come back.) A key due or compiling is
-        not: until its kernel lands, watching it gains nothing."""
+        not: until its kernel lands, watching it gains nothing. Nor is one whose runs save
+        less than watching them costs: it banks while the runtime pauses."""
         if self.state is KeyState.READY:
             return True
         if self.state is KeyState.WAITING:        # and it came back since it turned hot:
-            return self.seen > config.HOT_THRESHOLD and not scheduling.is_due(self)
+            return self.seen > config.HOT_THRESHOLD and not scheduling.is_due(self) \
+                and scheduling.worth_watching(self)
         # A key seen once is no evidence (dynamic shapes make new keys all the time).
         return self.state is KeyState.COLD and self.seen >= 2 \
             and self.segment.compute_ops >= MIN_COMPUTE_OPS and not self.too_cheap
@@ -401,6 +409,7 @@ class KeyTable:
             else:
                 self._entries.move_to_end(segment.key)
             entry.seen += 1
+            entry.last_seen, entry.last_point = clock.monotonic(), control.points_passed()
             if entry.seen == 2:
                 self._seen_once.pop(segment.key, None)
             if not entry.recalled and (entry.seen >= 2 or config.HOT_THRESHOLD <= 1):
@@ -592,6 +601,16 @@ class KeyTable:
     @property
     def compiles_waiting(self) -> int:
         return len(self._queue)
+
+    def bank_while_paused(self) -> None:
+        """Note [When to compile]: at a control point of a paused program, credit each
+        waiting key that recurs across steps with what its runs since its last credit would
+        have saved (at the rate it was seen running), and start what is due."""
+        if not self._queue:
+            return
+        with self._lock:
+            self._queue.bank_elapsed(clock.monotonic())
+        self.start_due_compiles()
 
     @property
     def compiles_due(self) -> int:

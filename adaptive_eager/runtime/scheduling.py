@@ -21,6 +21,12 @@ used, one that runs on loses at most about that much. A key that runs often and 
 gets there fast (an 8M pointwise chain in a few runs); one that saves little, late. Savings
 are counted per run, not per second, so no decision depends on the wall clock.
 
+A key keeps the runtime watching while it waits only if its runs save more than watching them
+costs (WATCH_S_PER_OP an op). One that saves less lets the runtime pause, and banks meanwhile at
+each control point, at the rate it was seen running (only keys seen across steps: a key seen
+twice within one step, made of per-step scalars, never comes back); the pause ends when a
+kernel lands.
+
 Due keys compile one at a time, the one that banked the most savings first (the worker
 compiles one graph at a time anyway; queued in the worker they would go first come, first
 served). The program keeps all its threads: the worker runs at a lower priority.
@@ -51,6 +57,24 @@ def compile_cost_s(entry: Any) -> float:
     """What compiling ``entry`` is taken to cost the program (Note [When to compile])."""
     scale = max(1.0, len(entry.segment.ops) / OPS_PER_COMPILE_COST)
     return config.COMPILE_COST_MS / 1e3 * scale
+
+
+# What watching one op costs (the cold path records and keys it: ~55 us an op here,
+# bench/overhead.py). A waiting key whose runs save less than this keeps no one watching it.
+WATCH_S_PER_OP = 50e-6
+
+
+def worth_watching(entry: Any) -> bool:
+    """Do ``entry``'s runs save more fused than watching them per-op costs?"""
+    return predicted_saving_s(entry) > len(entry.segment.ops) * WATCH_S_PER_OP
+
+
+def runs_per_second(entry: Any) -> float:
+    """How often ``entry`` ran, over the steps it was seen in; 0 for a key seen within one
+    step only (keys made of per-step scalars: they never come back)."""
+    if entry.last_point == entry.first_point or entry.seen < 2:
+        return 0.0
+    return (entry.seen - 1) / max(entry.last_seen - entry.first_seen, 1e-6)
 
 
 def is_due(entry: Any) -> bool:
@@ -87,8 +111,18 @@ class CompileQueue:
     def bank(self, entry: Any) -> None:
         """One more per-op run of a waiting ``entry``."""
         entry.banked_s += max(0.0, predicted_saving_s(entry))
+        entry.credited_at = entry.last_seen
         if entry in self:
             self._waiting.move_to_end(entry.digest)
+
+    def bank_elapsed(self, now: float) -> None:
+        """The program ran unwatched (paused) since each key's last credit: credit the runs
+        it would have made at its rate."""
+        for entry in self._waiting.values():
+            since = max(entry.credited_at, entry.last_seen)
+            entry.banked_s += max(0.0, predicted_saving_s(entry)) * \
+                runs_per_second(entry) * max(0.0, now - since)
+            entry.credited_at = now
 
     def due_count(self) -> int:
         return sum(map(is_due, self._waiting.values()))

@@ -316,6 +316,39 @@ def test_a_training_loop_intercepts_while_its_compile_waits_then_pauses_for_it(
         assert_equal(out, expected)
 
 
+def test_a_key_saving_less_than_watching_costs_banks_while_paused(pausing, monkeypatch,
+                                                                  fake_clock):
+    """Note [When to compile]: a waiting key whose runs save less than watching them costs
+    pauses the runtime at once; at each later control point it banks what its runs would
+    have saved at the rate it ran, and its compile starts when due."""
+    monkeypatch.setattr(scheduling, "predicted_saving_s", lambda entry: 1e-6)   # per run
+    train, expected = _unchanging_training_loop()
+    table = engine.shared_table()
+
+    def step_of(seconds):
+        fake_clock.advance(seconds)
+        return train(1)
+    with config.patch(MIN_SEGMENT_US=0, MIN_US_PER_OP=0, HOT_THRESHOLD=2, ASYNC=True,
+                      COMPILE_TIMEOUT_S=120, COMPILE_COST_MS=1), ae.enabled():
+        outs = [out for _ in range(3) for out in step_of(0.1)]   # hot at step 2, seen again
+        assert ae.is_paused() and table.compiles_waiting and not table.compiles_in_flight
+        seen = ae.stats().ops_seen
+        with results_held(table):
+            outs += step_of(0.01)       # 10 runs/s x 1 us, banked over 0.01 s: not due
+            assert not table.compiles_in_flight
+            assert ae.stats().ops_seen == seen                   # unwatched
+            outs += step_of(200.0)      # 200 s unwatched at ~10 runs/s: ~2 ms banked, due
+            assert table.compiles_in_flight and ae.is_paused()
+        deadline = time.monotonic() + 120
+        while not ae.stats().compiles and time.monotonic() < deadline:
+            time.sleep(0.05)
+            outs += train(1)
+        outs += [out for _ in range(8) for out in step_of(1.0)]
+    assert ae.stats().compiles >= 1
+    for out in outs:
+        assert_equal(out, expected)
+
+
 def test_a_training_loop_waits_paused_for_its_kernels_and_resumes_when_one_lands(pausing):
     train, expected = _unchanging_training_loop()
     with config.patch(MIN_SEGMENT_US=0, MIN_US_PER_OP=0, HOT_THRESHOLD=2, ASYNC=True,
