@@ -19,7 +19,8 @@ INDUCTOR_DIR = "inductor"        # under our cache directory
 MARKER = ".adaptive-eager"       # in an Inductor directory we made: only such a one is cleared
 
 # Note [Our Inductor cache]: a kernel artifact loads in ~8 ms when Inductor's cache directory
-# already holds what its compile left there, ~5 s when it is empty (DESIGN.md), so our
+# already holds what its compile left there, ~5 s when it is empty (docs/design.md, "The kernel
+# cache"), so our
 # compiles and loads use one Inductor directory inside our cache: <CACHE_DIR>/inductor. Only
 # ours do. Inductor finds its directory in TORCHINDUCTOR_CACHE_DIR at each use
 # (torch/_inductor/runtime/cache_dir_utils.py: cache_dir(), which also *sets* the variable to

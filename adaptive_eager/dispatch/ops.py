@@ -58,7 +58,7 @@ class OpClass:
     # the result's (Note [Resized outputs], runtime/engine.py).
     out_args: tuple[tuple[int, str], ...] = ()
     # A matmul or convolution: Inductor calls it as an extern library kernel, so fusing the
-    # segment around it saves nothing of its own time (Note [Predicted saving], runtime/policy.py).
+    # segment around it saves nothing of its own time (Note [Predicted saving], runtime/scheduling.py).
     extern: bool = False
 
 

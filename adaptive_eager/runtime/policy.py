@@ -274,7 +274,8 @@ _user_froze = False              # the program had frozen objects itself: never 
 
 def freeze_gc(moment: str) -> None:
     """Note [GC stalls]: a full collection walks every tracked object: ~165k after importing
-    torch (~90 ms here), ~377k once Inductor is imported (~200 ms stalls, DESIGN.md). The
+    torch (~90 ms here), ~377k once Inductor is imported (~200 ms stalls; docs/design.md,
+    "Process-wide concerns"). The
     recording path allocates far more objects per op than eager does, so it triggers full
     collections eager would not; freezing what exists at ``moment`` ("enable": torch's own
     objects; "inductor": after the first kernel arrives) takes them out of collections. Each

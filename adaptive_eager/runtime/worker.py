@@ -2,7 +2,8 @@
 
 Note [Why a process]: compiling on a thread of the user's process starves it of the GIL (~20%
 throughput lost), two compile threads crash Inductor, and it breaks the user's own
-torch.compile (DESIGN.md). So hot segments go to one worker process, started with
+torch.compile (docs/design.md, "Compile worker"). So hot segments go to one worker process,
+started with
 ``python -m adaptive_eager.runtime.worker`` (not multiprocessing's spawn, which would re-run the
 user's main module), at lower priority. It compiles one graph at a time (for the program's
 intra-op thread count: Inductor bakes it into CPU kernels), saves the artifact into the shared
