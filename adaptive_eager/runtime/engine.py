@@ -39,6 +39,7 @@ from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import control
 from adaptive_eager.dispatch.escapes import raw_untyped_storage
+from adaptive_eager.dispatch.interceptor import not_intercepted
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
 from adaptive_eager.fork_safety import reinit_in_child
@@ -137,7 +138,8 @@ def below_autograd() -> Iterator[None]:
     Deferred work flushed from outside the mode (sync, numpy(), ...) must run here: filling
     buffers with autograd active raises version-counter errors, and recorded ops already carry
     autocast's casts, so autocast must not apply them twice."""
-    with _disable_current_modes(), torch._C._AutoDispatchBelowADInplaceOrView(), _no_autocast():
+    with _disable_current_modes(), not_intercepted(), \
+            torch._C._AutoDispatchBelowADInplaceOrView(), _no_autocast():
         yield
 
 
