@@ -30,9 +30,11 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from adaptive_eager.dispatch.escapes import raw_untyped_storage, shares_outside_memory
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason
+from adaptive_eager.runtime.buffers import pooled_storages
 from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkeyable, encode_call,
                                                is_cpu_scalar, is_plain_tensor, tensor_arg,
                                                tensor_args, without_input_identity)
@@ -56,6 +58,20 @@ def unflatten_outputs(container: str, flat: list) -> Any:
     if container == SINGLE:
         return flat[0]
     return tuple(flat) if container == TUPLE else list(flat)
+
+
+# Note [Shallow copies]
+# Autograd saves an op's output for its backward as a shallow copy (tensor_data(): a new
+# TensorImpl on the same storage, made without any op). Under a Python dispatch mode that copy
+# is made by an aten.detach the mode sees (TensorImpl::shallow_copy_and_detach asks the mode),
+# so the copy counts as a live view. The C++ backend (dispatch/interceptor.py) sees no op, and
+# an intermediate whose only survivor was autograd's copy was judged dead: its kernel did not
+# write it and backward read an unfilled buffer. So with that backend, outputs are also live
+# while something else holds their storage (a weak reference to it: held strongly, it would
+# keep every intermediate's memory until the segment ends). Pooled buffers (runtime/buffers.py)
+# are held by the pool too.
+WATCH_STORAGES = False    # set when a C++ interceptor is created
+_use_count = torch._C._storage_Use_Count
 
 
 class OpRecord(NamedTuple):
@@ -131,6 +147,7 @@ class SegmentBuilder:
         self._outputs: dict[Ref, weakref.ref] = {}     # non-view outputs: what kernels write
         self._views_of: dict[Ref, list[weakref.ref]] = {}  # output ref -> views of it
         self._view_roots: dict[Ref, Ref] = {}
+        self._storages: dict[Ref, StorageWeakRef] = {}   # Note [Shallow copies]
         self.device: torch.device | None = None       # every tensor of a segment lives here
         self._signatures: dict[Any, list[tuple]] = {}  # func -> signatures recorded for it
         self._opening_shape: tuple | None = None      # ops[0].signature, inputs unnumbered
@@ -213,6 +230,8 @@ class SegmentBuilder:
             self._known[id(tensor)] = (wref, ref)
             if root is None:
                 self._outputs[ref] = wref
+                if WATCH_STORAGES:
+                    self._storages[ref] = StorageWeakRef(raw_untyped_storage(tensor))
             else:
                 self._view_roots[ref] = root
                 if root[0] == "out":                  # views of inputs never need writing
@@ -238,7 +257,8 @@ class SegmentBuilder:
         """Outputs still readable now, directly or through a view (see Note [Liveness]); when
         none is, its final results (Note [Results thrown away])."""
         live = tuple(ref for ref, wref in self._outputs.items()
-                     if wref() is not None or self._live_view(ref) is not None)
+                     if wref() is not None or self._live_view(ref) is not None
+                     or self._held_elsewhere(ref))
         if live or any(op.kind is OpKind.MUTATING for op in self.ops):
             return live
         return self._final_results()
@@ -249,6 +269,16 @@ class SegmentBuilder:
         read = {arg.ref for op in self.ops if op.kind is not OpKind.VIEW
                 for arg in tensor_args((op.args, op.kwargs))}
         return tuple(ref for ref in self._outputs if ref not in read)
+
+    def _held_elsewhere(self, ref: Ref) -> bool:
+        """Note [Shallow copies]: does a tensor no op returned share the output's storage?"""
+        weak = self._storages.get(ref)
+        if weak is None or weak.expired():
+            return False
+        if weak.cdata not in pooled_storages:
+            return True
+        storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
+        return _use_count(storage._cdata) > 2             # the pool's and ours above
 
     def _live_view(self, ref: Ref) -> torch.Tensor | None:
         for wref in self._views_of.get(ref, ()):
@@ -266,11 +296,15 @@ class SegmentBuilder:
         if tensor is not None:
             return tensor
         view = self._live_view(ref)
-        if view is None:
+        if view is not None:
+            storage = raw_untyped_storage(view)
+        elif self._held_elsewhere(ref):           # Note [Shallow copies]
+            storage = torch.UntypedStorage._new_with_weak_ptr(self._storages[ref].cdata)
+        else:
             return None
         meta = self.ops[ref[1]].out_metas[ref[2]]
         whole = torch.empty((0,), dtype=meta.dtype, device=meta.device)
-        return whole.set_(raw_untyped_storage(view), 0, meta.shape, meta.stride)
+        return whole.set_(storage, 0, meta.shape, meta.stride)
 
     def finish(self, live_refs: tuple[Ref, ...]) -> Segment:
         metas = tuple(TensorMeta.of(t) for t in self.inputs)

@@ -8,6 +8,9 @@ import torch.nn.functional as F
 import adaptive_eager as ae
 from helpers import assert_equal
 
+# Both interception backends (tests/conftest.py: backend).
+pytestmark = pytest.mark.usefixtures("backend")
+
 ITERS = 6
 
 
