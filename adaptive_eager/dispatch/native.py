@@ -104,7 +104,7 @@ def _build_in_background(directory: str) -> None:
         env["NEURON_ADAPTIVE_EAGER"] = "0"          # the build must not run under us
         with open(os.path.join(directory, BUILD_LOG), "ab") as output:
             process = subprocess.Popen(
-                [sys.executable, "-m", "adaptive_eager.dispatch.native", directory],
+                [sys.executable, "-m", "adaptive_eager.dispatch.native", directory, SOURCE],
                 stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env)
             try:
                 process.wait(BUILD_TIMEOUT_S)
@@ -164,14 +164,14 @@ def forget() -> None:
         _landed.clear()
 
 
-def _build(directory: str) -> None:
+def _build(directory: str, source: str) -> None:
     """The build subprocess: compile (or wait for another process compiling) into
     ``directory``. Errors go to stderr, which is BUILD_LOG there."""
     os.nice(10)
     from torch.utils.cpp_extension import load
-    load(name=NAME, sources=[SOURCE], build_directory=directory, extra_cflags=["-O2"],
+    load(name=NAME, sources=[source], build_directory=directory, extra_cflags=["-O2"],
          verbose=True)
 
 
 if __name__ == "__main__":
-    _build(sys.argv[1])
+    _build(sys.argv[1], sys.argv[2])
