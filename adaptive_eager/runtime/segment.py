@@ -62,16 +62,30 @@ def unflatten_outputs(container: str, flat: list) -> Any:
 
 # Note [Shallow copies]
 # Autograd saves an op's output for its backward as a shallow copy (tensor_data(): a new
-# TensorImpl on the same storage, made without any op). Under a Python dispatch mode that copy
-# is made by an aten.detach the mode sees (TensorImpl::shallow_copy_and_detach asks the mode),
-# so the copy counts as a live view. The C++ backend (dispatch/interceptor.py) sees no op, and
-# an intermediate whose only survivor was autograd's copy was judged dead: its kernel did not
-# write it and backward read an unfilled buffer. So with that backend, outputs are also live
-# while something else holds their storage (a weak reference to it: held strongly, it would
-# keep every intermediate's memory until the segment ends). Pooled buffers (runtime/buffers.py)
-# are held by the pool too.
+# TensorImpl on the same storage, made without any op), and unpacking a saved output for the
+# backward makes another. Under a Python dispatch mode each copy is made by an aten.detach the
+# mode sees (TensorImpl::shallow_copy_and_detach asks the mode), so it is a view of the output
+# like any other. The C++ backend (dispatch/interceptor.py) sees no op, which broke two things:
+# - Liveness: an intermediate whose only survivor was autograd's copy was judged dead, so its
+#   kernel did not write it and a later backward read an unfilled buffer. So with that
+#   backend, outputs are also live while something else holds their storage (a weak
+#   reference to it: held strongly, it would keep every intermediate's memory until the
+#   segment ends). Pooled buffers (runtime/buffers.py) are held by the pool too.
+# - Dataflow: a backward op in the same segment as its forward reads the unpacked copy, a
+#   tensor the segment did not know, so it was recorded as a new external input. Fused, that
+#   input is the deferred output's own buffer, read before the kernel fills it (the first
+#   fused run's probation saw garbage on both sides, and kept garbage gradients). So with
+#   that backend, an unknown tensor on the storage of one of the segment's outputs, with the
+#   same offset, shape, strides and dtype as that output (or a view of it), *is* that output:
+#   it gets the output's ref, as the detach's view would under the Python mode. Any other
+#   tensor on an output's storage made without an op cannot be followed: it ends the segment
+#   (reason unseen_alias), so the deferred work is done before it is read.
 WATCH_STORAGES = False    # set when a C++ interceptor is created
 _use_count = torch._C._storage_Use_Count
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype
 
 
 class OpRecord(NamedTuple):
@@ -148,6 +162,9 @@ class SegmentBuilder:
         self._views_of: dict[Ref, list[weakref.ref]] = {}  # output ref -> views of it
         self._view_roots: dict[Ref, Ref] = {}
         self._storages: dict[Ref, StorageWeakRef] = {}   # Note [Shallow copies]
+        # Note [Shallow copies]: StorageImpl address -> (a weak reference to the storage,
+        # {(offset, shape, strides, dtype): ref of the output or view with that layout})
+        self._layouts: dict[int, tuple[StorageWeakRef, dict[tuple, Ref]]] = {}
         self.device: torch.device | None = None       # every tensor of a segment lives here
         self._signatures: dict[Any, list[tuple]] = {}  # func -> signatures recorded for it
         self._opening_shape: tuple | None = None      # ops[0].signature, inputs unnumbered
@@ -189,11 +206,26 @@ class SegmentBuilder:
 
     def _tensor_arg(self, tensor: torch.Tensor) -> TensorArg:
         known = self._known.get(id(tensor))       # once per tensor argument of every op
-        ref = known[1] if known is not None and known[0]() is tensor else self._new_input(tensor)
+        if known is not None and known[0]() is tensor:
+            ref = known[1]
+        else:
+            ref = (self._layouts and self._unseen_alias(tensor)) or self._new_input(tensor)
         arg = tensor_arg(tensor, ref)
         if arg.device != self.device and not is_cpu_scalar(arg):
             self._enter_device(arg.device)
         return arg
+
+    def _unseen_alias(self, tensor: torch.Tensor) -> Ref | None:
+        """Note [Shallow copies]: the ref of the output an unknown tensor aliases, if any."""
+        storage = raw_untyped_storage(tensor)
+        entry = self._layouts.get(storage._cdata)
+        if entry is None or entry[0].expired():
+            return None
+        ref = entry[1].get(_layout(tensor))
+        if ref is None:
+            raise Unkeyable(Reason.UNSEEN_ALIAS, "a tensor on an output's memory made by no op")
+        self._known[id(tensor)] = (weakref.ref(tensor), ref)
+        return ref
 
     def _enter_device(self, device: torch.device) -> None:
         if self.device is not None:
@@ -228,14 +260,24 @@ class SegmentBuilder:
             ref = ("out", index, out_index)
             wref = weakref.ref(tensor)
             self._known[id(tensor)] = (wref, ref)
+            if WATCH_STORAGES:
+                self._watch_storage(ref, tensor, root is None)
             if root is None:
                 self._outputs[ref] = wref
-                if WATCH_STORAGES:
-                    self._storages[ref] = StorageWeakRef(raw_untyped_storage(tensor))
             else:
                 self._view_roots[ref] = root
                 if root[0] == "out":                  # views of inputs never need writing
                     self._views_of.setdefault(root, []).append(wref)
+
+    def _watch_storage(self, ref: Ref, tensor: torch.Tensor, whole: bool) -> None:
+        """Note [Shallow copies]: remember where ``ref`` lives, to know its unseen aliases."""
+        storage = raw_untyped_storage(tensor)
+        entry = self._layouts.get(storage._cdata)
+        if entry is None or entry[0].expired():
+            entry = self._layouts[storage._cdata] = (StorageWeakRef(storage), {})
+        entry[1].setdefault(_layout(tensor), ref)
+        if whole:
+            self._storages[ref] = entry[0]
 
     def repeats(self, signature: tuple) -> bool:
         """Has a loop wrapped around? True if this exact call (same op, sources, scalars) is
