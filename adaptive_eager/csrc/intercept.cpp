@@ -118,10 +118,20 @@ void push_result(const c10::FunctionSchema& schema, torch::jit::Stack* stack, py
   }
 }
 
+// Note [Below ADInplaceOrView]
+// The runtime must see the thread state a Python dispatch mode's handler sees: autograd and
+// ADInplaceOrView excluded. Ops that have an ADInplaceOrView kernel arrive so already, but
+// foreach ops have none (their autograd kernel only steps below autograd), so the per-tensor
+// in-place ops their kernel runs when the runtime calls it bumped version counters a second
+// time, beside the bump the runtime makes itself for foreach ops (runtime/engine.py,
+// _bump_versions): an AdamW parameter ended at version 20 where eager's was at 13.
+const DispatchKeySet kHidden =
+    c10::autograd_dispatch_keyset_with_ADInplaceOrView | DispatchKeySet(kKey);
+
 void call_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
-  c10::impl::ExcludeDispatchKeyGuard guard(kKey);
+  c10::impl::ExcludeDispatchKeyGuard guard(kHidden);   // Note [Below ADInplaceOrView]
   py::gil_scoped_acquire gil;
   py::handle func = torch::detail::getTorchApiFunction(op);   // the OpOverload, cached
   auto [args, kwargs] = to_args_kwargs(schema, torch::jit::last(*stack, num_args));
