@@ -194,15 +194,57 @@ def switch_ready(interceptor) -> bool:
 # to the runtime. torch.compile's wrapper runs each context's ``enter_exit_hooks`` before it
 # captures the TLS sets for the guard check and the call: a hook there that excludes the key
 # makes it invisible to guards (included and excluded cancel out, as if never included) and
-# lets compiled code run untouched. Contexts made before the extension was loaded get the
-# hook when it is (found by a one-time scan); those made later, from __init__.
+# lets compiled code run untouched. Three things make that hold:
+# - Every context gets the hook, those made before the extension was loaded too:
+#   ``enter_exit_hooks`` becomes a class property that adds it to the instance's list. (A scan
+#   of gc.get_objects() missed them: enable() has gc.freeze()d them by then, and frozen
+#   objects are not listed.)
+# - The wrapper calls the compiled code inside a _ForceDispatchKeyGuard of the sets it saved
+#   after the hooks ran, and runs the hooks' cleanups inside it too, so a cleanup restoring
+#   the key was undone when the guard ended: the key stayed excluded on the thread, and the
+#   runtime saw no op again (every later test of the process on this backend saw
+#   ops_seen=0). So the cleanup leaves the restore to the wrapper's next
+#   ``_maybe_set_eval_frame``, which comes after the guard (and after a context manager's
+#   cleanups).
+# - Compiled code reads its inputs' memory directly: the thread's deferred work is done
+#   first.
 _dynamo_hidden = False
 
 
 def _exclude_while_compiled():
+    interceptor = getattr(_local, "top", None)
+    if interceptor is not None and interceptor.active:
+        interceptor.runtime.flush()
     ext = native.loaded()
     previous = ext.set_excluded(True)
-    return lambda: ext.set_excluded(previous)
+
+    def cleanup():
+        ext.set_excluded(previous)
+        _local.restore_excluded = previous       # again, once Dynamo's guard has ended
+
+    return cleanup
+
+
+def _restore_after(set_eval_frame):
+    def set_then_restore(callback):
+        result = set_eval_frame(callback)
+        previous = getattr(_local, "restore_excluded", None)
+        if previous is not None:
+            _local.restore_excluded = None
+            native.loaded().set_excluded(previous)
+        return result
+    return set_then_restore
+
+
+def _hooks_with_ours(context) -> list:
+    hooks = context.__dict__.setdefault("enter_exit_hooks", [])
+    if _exclude_while_compiled not in hooks:
+        hooks.append(_exclude_while_compiled)
+    return hooks
+
+
+def _set_hooks(context, hooks: list) -> None:
+    context.__dict__["enter_exit_hooks"] = hooks
 
 
 def _hide_from_dynamo() -> None:
@@ -212,24 +254,15 @@ def _hide_from_dynamo() -> None:
     _dynamo_hidden = True
     import sys
     if "torch._dynamo.eval_frame" in sys.modules:
-        _patch_dynamo(sys.modules["torch._dynamo.eval_frame"], scan=True)
+        _patch_dynamo(sys.modules["torch._dynamo.eval_frame"])
     else:
         sys.meta_path.insert(0, _DynamoImportHook())
 
 
-def _patch_dynamo(eval_frame, scan: bool = False) -> None:
-    import gc
-    context_class = eval_frame._TorchDynamoContext
-    original_init = context_class.__init__
-
-    def init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        self.enter_exit_hooks.append(_exclude_while_compiled)
-
-    context_class.__init__ = init
-    for obj in gc.get_objects() if scan else ():
-        if isinstance(obj, context_class) and _exclude_while_compiled not in obj.enter_exit_hooks:
-            obj.enter_exit_hooks.append(_exclude_while_compiled)
+def _patch_dynamo(eval_frame) -> None:
+    """Note [Dynamo and the key]."""
+    eval_frame._TorchDynamoContext.enter_exit_hooks = property(_hooks_with_ours, _set_hooks)
+    eval_frame._maybe_set_eval_frame = _restore_after(eval_frame._maybe_set_eval_frame)
 
 
 class _DynamoImportHook:

@@ -74,15 +74,37 @@ def test_dynamo_does_not_recompile_because_of_the_key():
         return (x * 2 + 1).sin()
 
     x = torch.randn(64)
+    expected = (x * 2 + 1).sin()
     dynamo_counters.clear()
     user_compiled(x)                                     # compiled with the runtime off
     with config.patch(BACKEND="cpp"), ae.enabled():
-        for _ in range(3):
-            assert_equal(user_compiled(x), (x * 2 + 1).sin())
+        got = [user_compiled(x) for _ in range(3)]
         assert ae.stats().ops_seen == 0                  # compiled code ran untouched
+        (x * 3).cos()                                    # and the key is back after it
+        assert ae.stats().ops_seen == 2
+    for out in got:
+        assert_equal(out, expected)
     user_compiled(x)
     assert dynamo_counters["stats"]["unique_graphs"] == 1
     assert not dynamo_counters["recompiles"]
+
+
+def test_compiled_code_reads_deferred_outputs_filled():
+    @torch.compile(backend="eager")
+    def user_compiled(y):
+        return y * 2
+
+    x = torch.randn(64)
+    expected = ((x * 1.5 + 0.25).sin() - 0.5) * 2
+    user_compiled(x)
+    with config.patch(BACKEND="cpp"), ae.enabled():
+        got = []
+        for _ in range(4):
+            y = (x * 1.5 + 0.25).sin() - 0.5             # fused from its second run on
+            got.append(user_compiled(y))                 # reads y without a dispatched op
+        assert ae.stats().fused_executions >= 1
+    for out in got:
+        assert_equal(out, expected)
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
