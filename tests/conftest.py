@@ -82,23 +82,7 @@ def backend(request, fresh_runtime):
         assert ae.stats().backend in ("", request.param)   # it really ran on that backend
 
 
-# Known broken on the cpp backend: fused (deferred) runs under autograd differ from eager
-# (kernel_mismatch on probation, wrong gradients). Its cold path is bitwise eager.
-CPP_HOT_PATH_XFAIL = {"test_fused_with_stand_in_compiler_equals_eager",
-                      "test_small_models_forward_backward",
-                      "test_training_with_adamw_foreach_equals_eager"}
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        params = getattr(item, "callspec", None)
-        if params is not None and params.params.get("backend") == "cpp" and (
-                item.originalname in CPP_HOT_PATH_XFAIL
-                # fused runs on cpp fail after tests/dispatch/test_native.py ran in the same
-                # process (pass alone): an order dependence not found yet
-                or item.module.__name__.endswith("test_fused_parity")):
-            item.add_marker(pytest.mark.xfail(
-                reason="cpp backend: fused runs under autograd differ from eager", strict=False))
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
         for item in items:
