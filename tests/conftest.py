@@ -21,6 +21,10 @@ for _name in list(os.environ):   # the developer's own settings must not change 
     if _name.startswith("NEURON_ADAPTIVE_EAGER") and _name != "NEURON_ADAPTIVE_EAGER_CACHE_DIR":
         del os.environ[_name]
 
+# Subprocesses run on the Python mode unless a test asks for another backend: with auto, each
+# would start a C++ build into the session's cache directory and could switch backends mid-run.
+os.environ["NEURON_ADAPTIVE_EAGER_BACKEND"] = "python"
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -108,7 +108,9 @@ def test_compiled_code_reads_deferred_outputs_filled():
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter; ``env`` values of None unset a variable."""
     full_env = {**os.environ, **MECHANICS_ENV, **env}
+    full_env = {name: value for name, value in full_env.items() if value is not None}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
                           capture_output=True, text=True, timeout=300)
 
@@ -157,3 +159,54 @@ def test_the_build_directory_is_keyed_by_torch_version_and_source():
     directory = native.build_directory()
     assert torch.__version__ in os.path.basename(directory)
     assert os.path.dirname(directory) == os.path.join(config.CACHE_DIR, "ext")
+
+
+def test_auto_on_a_fresh_machine_starts_on_python_and_switches_to_cpp(tmp_path):
+    """No extension built yet (an empty cache directory): the program starts at once on the
+    Python mode while the extension builds in the background, switches to cpp at a control
+    point once it lands, and trains as eager does throughout."""
+    result = _run("""
+        import torch
+        import torch.nn.functional as F
+        import adaptive_eager as ae
+        from adaptive_eager.dispatch import native
+
+        def train(model, opt, data, target, steps):
+            losses = []
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                loss = F.mse_loss(model(data), target)
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            return losses
+
+        def make_model():                  # made alike (a deepcopy starts at version 0)
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                       torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+
+        model, eager_model = make_model(), make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=True)
+        data, target = torch.randn(8, 16), torch.randn(8, 4)
+        expected = train(eager_model, eager_opt, data, target, 12)
+        ae.enable()
+        losses = train(model, opt, data, target, 4)
+        print("first", ae.stats().backend)
+        native._building.join(600)
+        losses += train(model, opt, data, target, 8)
+        print("then", ae.stats().backend, ae.stats().fused_executions > 0)
+        ae.disable()
+        torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+            assert p._version == q._version
+        print("equal")
+    """, {"NEURON_ADAPTIVE_EAGER_BACKEND": None,         # the default: auto
+          "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path),
+          "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "2"})
+    assert result.returncode == 0, result.stderr
+    assert "first python" in result.stdout, result.stdout
+    assert "then cpp True" in result.stdout and "equal" in result.stdout, result.stdout
+    assert os.listdir(tmp_path / "ext")                 # built into the cache directory
