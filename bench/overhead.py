@@ -72,15 +72,17 @@ def main() -> None:
         with config.patch(COMPILE=False, BACKEND=backend), ae.enabled():
             rows.append((f"runtime ({ae.stats().backend}), compile off",
                          _per_step_us(step, options.steps)))
-    ae.reset()
-    # The hot path's cost itself: force the tiny segment to compile (the policy would not).
-    with config.patch(MIN_SEGMENT_US=0, MIN_US_PER_OP=0, KEEP_UNPROFITABLE=True, ASYNC=False), \
-            ae.enabled():
-        for _ in range(8):
-            step()
-        ae.sync()
-        rows.append(("runtime, fused (hot path)", _per_step_us(step, options.steps, sync=True)))
-    assert ae.stats().fused_executions > 0
+    for backend in ("python", "cpp"):
+        ae.reset()
+        # The hot path's cost itself: force the tiny segment to compile (the policy would not).
+        with config.patch(MIN_SEGMENT_US=0, MIN_US_PER_OP=0, KEEP_UNPROFITABLE=True,
+                          ASYNC=False, BACKEND=backend), ae.enabled():
+            for _ in range(8):
+                step()
+            ae.sync()
+            rows.append((f"runtime ({ae.stats().backend}), fused (hot path)",
+                         _per_step_us(step, options.steps, sync=True)))
+            assert ae.stats().fused_executions > 0
     eager = rows[0][1]
     print(f"8-op pointwise chain, {options.numel} fp32 elements, torch {torch.__version__}")
     print(f"{'path':<36}{'us/step':>9}{'us/op':>8}{'x eager':>9}")

@@ -238,9 +238,12 @@ def _restore_after(set_eval_frame):
 
 def _hooks_with_ours(context) -> list:
     hooks = context.__dict__.setdefault("enter_exit_hooks", [])
-    if _exclude_while_compiled not in hooks:
+    if _exclude_while_compiled not in hooks and not isinstance(context, _plain_contexts):
         hooks.append(_exclude_while_compiled)
     return hooks
+
+
+_plain_contexts: tuple = ()      # eval_frame.DisableContext: its code runs eagerly, seen
 
 
 def _set_hooks(context, hooks: list) -> None:
@@ -261,6 +264,8 @@ def _hide_from_dynamo() -> None:
 
 def _patch_dynamo(eval_frame) -> None:
     """Note [Dynamo and the key]."""
+    global _plain_contexts
+    _plain_contexts = (eval_frame.DisableContext,)
     eval_frame._TorchDynamoContext.enter_exit_hooks = property(_hooks_with_ours, _set_hooks)
     eval_frame._maybe_set_eval_frame = _restore_after(eval_frame._maybe_set_eval_frame)
 

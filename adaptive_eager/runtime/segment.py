@@ -273,7 +273,12 @@ class SegmentBuilder:
         """Note [Shallow copies]: remember where ``ref`` lives, to know its unseen aliases."""
         storage = raw_untyped_storage(tensor)
         entry = self._layouts.get(storage._cdata)
-        if entry is None or entry[0].expired():
+        if entry is not None and whole:
+            # A new output on a known storage: a pooled buffer handed out again
+            # (runtime/buffers.py), so the outputs it held before are dead, whatever holds it.
+            for old in entry[1].values():
+                self._storages.pop(old, None)
+        if entry is None or entry[0].expired() or whole:
             entry = self._layouts[storage._cdata] = (StorageWeakRef(storage), {})
         entry[1].setdefault(_layout(tensor), ref)
         if whole:
