@@ -25,7 +25,6 @@ import torch
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import native
 from adaptive_eager.dispatch.mode import AdaptiveMode
-from adaptive_eager.runtime import segment
 
 RESUME_EVERY = 1024    # paused ops between two should_resume() calls (~1 us each)
 
@@ -70,7 +69,7 @@ class CppInterceptor:
     def __init__(self, runtime, ext) -> None:
         _set_callbacks(ext)
         _hide_from_dynamo()
-        segment.WATCH_STORAGES = True      # Note [Shallow copies] (runtime/segment.py)
+        runtime.unseen_copies = True       # Note [Shallow copies] (runtime/segment.py)
         self.runtime = runtime
         self.ext = ext
         self.active = False

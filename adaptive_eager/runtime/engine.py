@@ -257,6 +257,9 @@ class Runtime:
         self.pause_backoff_s = PAUSE_FIRST_S
         self.awaited_answers: int | None = None   # see awaited_kernel_landed()
         self.stood_aside = False                  # see stand_aside()
+        # Ops make copies of tensors it never sees (the C++ backend: Note [Shallow copies]
+        # in runtime/segment.py); set by the interceptor, for segments begun after.
+        self.unseen_copies = False
         _live_runtimes.add(self)
 
     @property
@@ -357,7 +360,7 @@ class Runtime:
             self._end_segment()
             builder = None
         if builder is None:
-            builder = self._builder = SegmentBuilder(key_context())
+            builder = self._builder = SegmentBuilder(key_context(), self.unseen_copies)
         return builder
 
     def _run_boundary(self, func, args: tuple, kwargs: dict, reason: Reason) -> Any:

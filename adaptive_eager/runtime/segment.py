@@ -80,7 +80,6 @@ def unflatten_outputs(container: str, flat: list) -> Any:
 #   it gets the output's ref, as the detach's view would under the Python mode. Any other
 #   tensor on an output's storage made without an op cannot be followed: it ends the segment
 #   (reason unseen_alias), so the deferred work is done before it is read.
-WATCH_STORAGES = False    # set when a C++ interceptor is created
 _use_count = torch._C._storage_Use_Count
 
 
@@ -151,8 +150,9 @@ def from_wire(wire: tuple) -> Segment:
 class SegmentBuilder:
     """Records a segment op by op; knows each tensor's Ref and which outputs are still alive."""
 
-    def __init__(self, context: tuple) -> None:
+    def __init__(self, context: tuple, unseen_copies: bool = False) -> None:
         self.context = context
+        self._unseen_copies = unseen_copies            # Note [Shallow copies]
         self.started = time.perf_counter()             # a segment's wall time starts here
         self.compute_seconds = 0.0                     # of which inside per-op calls
         self.ops: list[OpRecord] = []
@@ -260,7 +260,7 @@ class SegmentBuilder:
             ref = ("out", index, out_index)
             wref = weakref.ref(tensor)
             self._known[id(tensor)] = (wref, ref)
-            if WATCH_STORAGES:
+            if self._unseen_copies and tensor.layout is torch.strided:   # (sparse: no storage)
                 self._watch_storage(ref, tensor, root is None)
             if root is None:
                 self._outputs[ref] = wref

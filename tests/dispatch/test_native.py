@@ -210,3 +210,17 @@ def test_auto_on_a_fresh_machine_starts_on_python_and_switches_to_cpp(tmp_path):
     assert "first python" in result.stdout, result.stdout
     assert "then cpp True" in result.stdout and "equal" in result.stdout, result.stdout
     assert os.listdir(tmp_path / "ext")                 # built into the cache directory
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_sparse_outputs_and_no_state_left_for_the_next_runtime(backend):
+    """A sparse output has no storage to watch (Note [Shallow copies]), and what a cpp runtime
+    needs stays with it: a Python-mode runtime after it ran ops as before (opinfo's
+    to_sparse raised NotImplementedError once a cpp runtime had existed)."""
+    x = torch.randn(5, 5)
+    with config.patch(BACKEND="cpp", COMPILE=False), ae.enabled():
+        (x * 2).sin()
+    with config.patch(BACKEND=backend, COMPILE=False), ae.enabled():
+        got = (x * 2).to_sparse().to_dense() + 1
+        assert ae.stats().backend == backend
+    assert_equal(got, x * 2 + 1, bitwise=True)
