@@ -58,7 +58,8 @@ class OpClass:
     # the result's (Note [Resized outputs], runtime/engine.py).
     out_args: tuple[tuple[int, str], ...] = ()
     # A matmul or convolution: Inductor calls it as an extern library kernel, so fusing the
-    # segment around it saves nothing of its own time (Note [Predicted saving], runtime/scheduling.py).
+    # segment around it saves nothing of its own time (Note [Predicted saving],
+    # runtime/scheduling.py).
     extern: bool = False
 
 
