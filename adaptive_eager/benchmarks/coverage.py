@@ -34,10 +34,10 @@ NEW_TOKENS = 32
 PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
 CACHES = ("dynamic", "static")
 # Every hot segment compiled at once and kept: parity is checked on kernels, not on per-op runs.
-FORCED = {"HOT_THRESHOLD": 2, "MIN_SEGMENT_US": 0, "MIN_US_PER_OP": 0,
-          "KEEP_UNPROFITABLE": True, "ASYNC": False, "PAUSE": False, "COMPILE_DELAY_MS": 0}
+FORCED = {"HOT_THRESHOLD": 2, "MIN_SEGMENT_US": 0, "MIN_US_PER_OP": 0, "MAX_EXTERN_PERCENT": 100,
+          "KEEP_UNPROFITABLE": True, "ASYNC": False, "PAUSE": False, "COMPILE_COST_MS": 0}
 TIMED_REPS = 5          # alternating eager / runtime pairs whose medians are compared
-WARMUP_S = 3.0          # default settings: a hot key compiles after COMPILE_DELAY_MS (2 s)
+WARMUP_S = 3.0          # default settings: hot keys compile once their runs bank their cost
 
 
 @dataclasses.dataclass(frozen=True)
