@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent("""
     started = time.perf_counter()
     import torch
     import adaptive_eager as ae
-    x = torch.randn(1 << 16)
+    x = torch.randn(1 << 20)      # its ops compute well above the cost gates (MIN_SEGMENT_US)
     expected = ((x * 2 + 1).sin() * 3).cos()
     first_fused, results = None, []
     with ae.enabled():
