@@ -16,8 +16,9 @@ A background compile costs the program while it runs (the worker's CPU, on a sma
 a share of the program's cores). Like renting skis before buying, a hot key's compile waits
 until the savings its per-op runs would have had fused add up to what the compile is taken to
 cost: COMPILE_COST_MS for a segment of up to OPS_PER_COMPILE_COST ops, more for longer ones
-(a compile's time grows with its graph: 3-6 s for a few ops, 17-38 s for 64): a program that ends sooner never pays for kernels it could not have
-used, one that runs on loses at most about that much. A key that runs often and saves much
+(a compile's time grows with its graph: 3-6 s for a few ops, 17-38 s for 64): a program that
+ends sooner never pays for kernels it could not have used, one that runs on loses at most
+about that much. A key that runs often and saves much
 gets there fast (an 8M pointwise chain in a few runs); one that saves little, late. Savings
 are counted per run, not per second, so no decision depends on the wall clock.
 

@@ -32,7 +32,10 @@ BARE_LOOP = """
     stop, iterations = sys.argv[1], int(sys.argv[2])
     deadline = time.monotonic() + {longest}
     n = 0
-    while (n < iterations) if iterations else not (os.path.exists(stop) or time.monotonic() > deadline):
+    def more():
+        return n < iterations if iterations else not (os.path.exists(stop)
+                                                      or time.monotonic() > deadline)
+    while more():
         y = torch.nn.functional.layer_norm(x, (1024,), weight=w) * 2.0
         out = torch.nn.functional.gelu(y) + x
         n += 1
@@ -142,7 +145,10 @@ TRAINING_LOOP = """
     stop, iterations = sys.argv[1], int(sys.argv[2])
     deadline = time.monotonic() + {longest}
     steps = 0
-    while (steps < iterations) if iterations else not (os.path.exists(stop) or time.monotonic() > deadline):
+    def more():
+        return steps < iterations if iterations else not (os.path.exists(stop)
+                                                          or time.monotonic() > deadline)
+    while more():
         opt.zero_grad()
         loss = ((model(x) - target) ** 2).mean()
         loss.backward()
