@@ -481,9 +481,10 @@ class Runtime:
         which a paused loop never reaches: its hot key would wait for ever. So while compiles
         are due or run there, the runtime keeps intercepting (a key still banking keeps it
         intercepting as long as it comes back: KeyEntry.promising)."""
-        table = self.table
-        return bool(table.compiles_due or table.compiles_in_flight) and \
-            not self._control_points_pass()
+        if self._control_points_pass():
+            return False
+        table = self.table               # compiles_due walks the waiting keys: last
+        return bool(table.compiles_in_flight or table.compiles_due)
 
     def _weight(self, entry) -> int:
         if entry.state is KeyState.COMPILING or (entry.state is KeyState.WAITING and (

@@ -126,7 +126,7 @@ class CompileQueue:
             entry.credited_at = now
 
     def due_count(self) -> int:
-        return sum(map(is_due, self._waiting.values()))
+        return sum(map(is_due, self._waiting.values()))     # at most MAX_WAITING keys
 
     def discard(self, entry: Any) -> None:
         if self._waiting.get(entry.digest) is entry:
