@@ -235,7 +235,10 @@ def control_point() -> None:
 
 def _banked_a_kernel(runtime) -> bool:
     """While paused: bank the waiting keys' savings (Note [When to compile]), which may
-    start a compile; has a kernel landed since the pause began?"""
+    start a compile; has a kernel landed since the pause began? (A forked child's runtimes
+    stand aside: they touch no table, Note [Fork].)"""
+    if runtime.stood_aside:
+        return False
     runtime.table.bank_while_paused()
     return runtime.awaited_kernel_landed()
 
