@@ -12,7 +12,7 @@ from typing import Iterator
 
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import control, escapes
-from adaptive_eager.dispatch.mode import AdaptiveMode
+from adaptive_eager.dispatch import interceptor as interceptors
 from adaptive_eager.fork_safety import at_fork
 from adaptive_eager.runtime import clock, engine
 from adaptive_eager.runtime.allocator import keep_freed_memory
@@ -73,11 +73,12 @@ def enable() -> None:
     freeze_gc("enable")
     control.install()
     runtime = engine.Runtime()
-    mode = AdaptiveMode(runtime)
+    interceptor = interceptors.create(runtime)
+    _note_backend(interceptor)
     escapes.install()
-    _stack().append((runtime, mode))
+    _stack().append((runtime, interceptor))
     if not _recall_pause(runtime):
-        mode.__enter__()
+        interceptor.activate()
 
 
 def disable() -> None:
@@ -85,14 +86,13 @@ def disable() -> None:
     stack = _stack()
     if not stack:
         return
-    runtime, mode = stack.pop()
+    runtime, interceptor = stack.pop()
     if not runtime.stood_aside:        # a forked child's pause is not for its own enables
         _remember_pause(runtime)
     try:
         runtime.close()
     finally:
-        if _current_mode() is mode:            # not when paused: it is off the stack already
-            mode.__exit__(None, None, None)
+        interceptor.close()            # (a paused mode is off the stack already)
         _paused_until.pop(runtime, None)
         escapes.uninstall()
         if not engine.live_runtimes():
@@ -126,19 +126,19 @@ def paused() -> Iterator[None]:
     try:
         yield
     finally:
-        aside[1].__enter__()
+        aside[1].activate()
 
 
 def _step_aside() -> tuple | None:
-    """Finish this thread's deferred work and take its runtime's mode off the stack: its
-    (runtime, mode), or None when not enabled, paused, or another mode is on top."""
+    """Finish this thread's deferred work and stop intercepting: its (runtime, interceptor),
+    or None when not enabled, paused, or another mode is on top."""
     stack = _stack()
-    if not stack or _current_mode() is not stack[-1][1]:
+    if not stack or not stack[-1][1].is_active():
         return None
-    runtime, mode = stack[-1]
+    runtime, interceptor = stack[-1]
     runtime.flush()
-    mode.__exit__(None, None, None)
-    return runtime, mode
+    interceptor.deactivate()
+    return runtime, interceptor
 
 
 # runtime -> monotonic time its pause ends (see dispatch/control.py)
@@ -176,9 +176,46 @@ def _recall_pause(runtime) -> bool:
     return False
 
 
-def _current_mode():
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-    return _get_current_dispatch_mode()
+_last_backend = ""     # the backend of the latest enable() or switch, any thread
+
+
+def _note_backend(interceptor) -> None:
+    global _last_backend
+    _last_backend = interceptor.backend
+
+
+def backend() -> str:
+    """Which interception runs this thread's runtime ("cpp" or "python"); else the latest
+    one any thread ran ("" if none)."""
+    stack = _stack()
+    return stack[-1][1].backend if stack else _last_backend
+
+
+def pauses_between_ops() -> bool:
+    """Can this thread's runtime pause at its next op (no control point needed)?"""
+    stack = _stack()
+    return bool(stack) and stack[-1][1].pauses_between_ops
+
+
+def _switch_backend() -> None:
+    """Note [Switching backends] (dispatch/interceptor.py): at a control point of a thread
+    with one enable(), not sitting out a first optimizer step, swap its Python mode for the
+    C++ interceptor, in the same state (intercepting, or paused)."""
+    stack = _stack()
+    if len(stack) != 1 or getattr(_local, "sitting_out", None) is not None:
+        return
+    runtime, old = stack[0]
+    paused = runtime in _paused_until
+    if not (paused or old.is_active()) or not interceptors.switch_ready(old):
+        return
+    runtime.flush()
+    old.close()
+    new = interceptors.create(runtime)
+    stack[0] = (runtime, new)
+    _note_backend(new)
+    if not paused:
+        new.activate()
+    decide("backend_switched", backend=new.backend)
 
 
 def sit_out(optimizer, step_frame) -> None:
@@ -200,7 +237,7 @@ def stop_sitting_out(optimizer=None) -> None:
     sitting_out = getattr(_local, "sitting_out", None)
     if sitting_out is None:
         return
-    runtime, mode, optimizer_id, step_frame = sitting_out
+    runtime, interceptor, optimizer_id, step_frame = sitting_out
     if optimizer is not None and optimizer_id != id(optimizer):
         return                         # an inner optimizer's step ended, not this one's
     if optimizer is None and control.is_running(step_frame):
@@ -208,7 +245,7 @@ def stop_sitting_out(optimizer=None) -> None:
     _local.sitting_out = None
     stack = _stack()
     if stack and stack[-1][0] is runtime and runtime not in _paused_until:
-        mode.__enter__()
+        interceptor.activate()
 
 
 def control_point() -> None:
@@ -218,17 +255,22 @@ def control_point() -> None:
     if not stack:
         return
     end_segment()                      # Note [Natural boundaries] (dispatch/control.py)
-    runtime, mode = stack[-1]
-    if runtime.pause_requested and _current_mode() is mode:
+    runtime, interceptor = stack[-1]
+    if runtime.pause_requested and interceptor.between_ops():
         seconds = runtime.paused_for()
-        mode.__exit__(None, None, None)
+        interceptor.deactivate()
         _paused_until[runtime] = clock.monotonic() + seconds
         decide("paused", seconds=seconds)
     elif runtime in _paused_until and (_banked_a_kernel(runtime)
                                        or clock.monotonic() >= _paused_until[runtime]):
         del _paused_until[runtime]
-        mode.__enter__()
+        interceptor.activate()
         decide("resumed")
+    if isinstance(interceptor, interceptors.PythonInterceptor) and interceptors.switch_ready(
+            interceptor):
+        _switch_backend()
+        if stack[-1][1] is interceptor:            # not now (sitting out): at a later op
+            interceptor.mode.switch_pending = True
     if not any(r.pause_requested for r in engine.live_runtimes()):
         control.no_pause_pending()
 
@@ -256,8 +298,9 @@ def pause_point_reached() -> bool:
     stack = _stack()
     if not stack:
         return True
-    runtime, mode = stack[-1]
-    return not runtime.pause_requested or _current_mode() is mode
+    runtime, interceptor = stack[-1]
+    wanted = runtime.pause_requested or interceptors.switch_ready(interceptor)
+    return not wanted or interceptor.between_ops()
 
 
 def is_paused() -> bool:
@@ -278,13 +321,12 @@ def sync(wait_compiles: float = 0.0) -> None:
 
 
 def stats() -> Stats:
-    """A frozen snapshot of the runtime's counters."""
+    """A frozen snapshot of the runtime's counters, and the backend intercepting."""
     _publish_all_counts()
     table = engine.existing_table()
-    if table is None:
-        return counters.snapshot()
-    return counters.snapshot(compiles_in_flight=table.compiles_in_flight,
-                             compiles_waiting=table.compiles_waiting)
+    gauges = {} if table is None else dict(compiles_in_flight=table.compiles_in_flight,
+                                            compiles_waiting=table.compiles_waiting)
+    return counters.snapshot(backend=backend(), **gauges)
 
 
 def _publish_all_counts() -> None:
@@ -298,9 +340,9 @@ def _after_fork_in_child() -> None:
     (their modes leave the stack where they can; elsewhere they pass ops straight through),
     and a later enable() here starts afresh, without the parent's pausing state."""
     engine.after_fork_in_child()
-    for runtime, mode in reversed(_stack()):
-        if _current_mode() is mode:
-            mode.__exit__(None, None, None)
+    for runtime, interceptor in reversed(_stack()):
+        if interceptor.is_active():
+            interceptor.deactivate()
         _paused_until[runtime] = math.inf
     _local.pause_memory = None
 
@@ -313,5 +355,7 @@ def reset() -> None:
     sync()
     _publish_all_counts()
     _local.pause_memory = None
+    global _last_backend
+    _last_backend = ""
     engine.reset_shared_table()
     counters.reset()

@@ -84,6 +84,13 @@ def _key_prefixes(text: str) -> tuple:
     return prefixes
 
 
+def _backend(text: str) -> str:
+    lowered = text.strip().lower()
+    if lowered not in ("auto", "cpp", "python"):
+        raise ValueError("expected one of auto, cpp, python")
+    return lowered
+
+
 def _directory(text: str) -> str:
     path = os.path.abspath(os.path.expanduser(text.strip()))
     if not text.strip():
@@ -128,6 +135,14 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("ENABLE", _parse_bool, lambda: False,
             "Run every Python process that imports torch under the runtime (the startup hook)."),
+    # auto: every parity test passes on cpp (tests/runtime, both backends), and a machine
+    # without the extension built starts at once on python (dispatch/native.py).
+    Setting("BACKEND", _backend, lambda: "auto",
+            "How ops are intercepted: cpp (a C++ dispatcher fallback, ~0.2 us per op passed "
+            "through; built with the system compiler on first use, in the background, into "
+            "CACHE_DIR/ext), python (a TorchDispatchMode, ~4.4 us per op), or auto: cpp once "
+            "built, python until then and where it cannot be built. With cpp, a failed build "
+            "is one warning and python."),
     Setting("COMPILE", _parse_bool, lambda: True,
             "0 = record and key segments but never compile: the debugging switch. Results are "
             "then bitwise identical to eager."),

@@ -6,6 +6,7 @@ Inductor cache directory, so no run depends on what an earlier one left behind.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 
@@ -19,6 +20,10 @@ os.environ["NEURON_ADAPTIVE_EAGER_CACHE_DIR"] = os.path.join(_SESSION_DIR, "cach
 for _name in list(os.environ):   # the developer's own settings must not change test results
     if _name.startswith("NEURON_ADAPTIVE_EAGER") and _name != "NEURON_ADAPTIVE_EAGER_CACHE_DIR":
         del os.environ[_name]
+
+# Subprocesses run on the Python mode unless a test asks for another backend: with auto, each
+# would start a C++ build into the session's cache directory and could switch backends mid-run.
+os.environ["NEURON_ADAPTIVE_EAGER_BACKEND"] = "python"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -40,8 +45,10 @@ def fresh_runtime(request, tmp_path, monkeypatch):
     ae.reset()
     compiler = InductorCompiler() if request.node.get_closest_marker("inductor") else \
         CountingCompiler()
-    with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache"), **MECHANICS), \
-            use_compiler(compiler):
+    # The Python backend unless a test asks for the `backend` fixture: with auto, a build
+    # landing mid-test would switch backends under it.
+    with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache"), BACKEND="python",
+                      **MECHANICS), use_compiler(compiler):
         yield compiler
     leaked = ae.is_enabled()
     while ae.is_enabled():
@@ -70,6 +77,31 @@ def fake_clock(monkeypatch):
         return out
     monkeypatch.setattr(torch._ops.OpOverload, "__call__", timed_call)
     return fake
+
+
+@pytest.fixture(scope="session")
+def cpp_extension():
+    """The C++ interception extension, built once per machine (10-30 s) into the default
+    cache directory (keyed by torch version and source hash, so a stale build never loads)."""
+    from adaptive_eager.config import _default_cache_dir
+    from adaptive_eager.dispatch import native
+    with config.patch(CACHE_DIR=_default_cache_dir()):
+        ext = native.prepare(wait_s=native.BUILD_TIMEOUT_S)
+    if ext is None and not shutil.which(os.environ.get("CXX", "c++")):
+        pytest.skip("no C++ compiler: the cpp backend cannot be built here")
+    assert ext is not None, native.failure()
+    return ext
+
+
+@pytest.fixture(params=["python", "cpp"])
+def backend(request, fresh_runtime):
+    """Run the test on each interception backend (modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("backend")``)."""
+    if request.param == "cpp":
+        request.getfixturevalue("cpp_extension")
+    with config.patch(BACKEND=request.param):
+        yield request.param
+        assert ae.stats().backend in ("", request.param)   # it really ran on that backend
 
 
 def pytest_collection_modifyitems(config, items):

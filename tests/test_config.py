@@ -13,6 +13,7 @@ from adaptive_eager.config import SETTINGS, ConfigError, config
 BAD_VALUES = {
     "ENABLE": ("maybe", "1/0"),
     "COMPILE": ("maybe", "1/0"),
+    "BACKEND": ("rust", "auto, cpp, python"),
     "HOT_THRESHOLD": ("zero", "integer >= 1"),
     "MAX_SEGMENT_OPS": ("-3", "integer >= 1"),
     "ASYNC": ("2", "1/0"),

@@ -134,7 +134,16 @@ def install() -> None:
 
 def pause_requested() -> None:
     """A runtime of this thread wants to pause: also stop at the next nn.Module call, or
-    the next Python call event outside the dispatch mode."""
+    the next Python call event outside the dispatch mode. (The C++ backend needs neither: it
+    pauses at the next op, CppInterceptor.on_op.)"""
+    from adaptive_eager import api
+    if not api.pauses_between_ops():
+        point_soon()
+
+
+def point_soon() -> None:
+    """Pass a control point soon: at the next nn.Module call, or the next Python call event
+    outside the dispatch mode (until no pause is pending)."""
     global _module_hook
     with _lock:
         if _module_hook is None:

@@ -15,6 +15,7 @@ class AdaptiveMode(TorchDispatchMode):
     def __init__(self, runtime) -> None:
         super().__init__()
         self.runtime = runtime
+        self.switch_pending = False    # Note [Switching backends] (dispatch/interceptor.py)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -28,6 +29,10 @@ class AdaptiveMode(TorchDispatchMode):
         # split every compiled function into two graphs.
         if is_compiling():
             return func(*args, **(kwargs or {}))
+        if self.switch_pending:
+            self.switch_pending = False
+            from adaptive_eager.dispatch import control
+            control.point_soon()
         return self.runtime.on_op(func, args, kwargs or {})
 
 

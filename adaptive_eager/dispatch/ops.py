@@ -43,6 +43,9 @@ class Reason(str, enum.Enum):
     # so a deferred kernel could read them early (dispatch/escapes.py, Note [Outside memory])
     OUTSIDE_MEMORY = "outside_memory"
     UNKEYABLE_ARGUMENT = "unkeyable_argument"  # an argument we cannot put in a key (SymInt, ...)
+    # a tensor on a segment output's memory made by no op the C++ backend sees, in a layout
+    # no output has (runtime/segment.py, Note [Shallow copies])
+    UNSEEN_ALIAS = "unseen_alias"
 
 
 @dataclasses.dataclass(frozen=True)

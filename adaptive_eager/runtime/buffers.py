@@ -21,6 +21,7 @@ MIN_POOLED_BYTES = 1 << 20   # below this, allocation is cheap and pooling only 
 MAX_PER_SIZE = 4             # storages kept per (device, size): a few live steps' worth
 
 _use_count = torch._C._storage_Use_Count
+pooled_storages: set[int] = set()   # the StorageImpls every pool holds (runtime/segment.py)
 
 
 def storage_bytes(meta: TensorMeta) -> int:
@@ -50,10 +51,14 @@ class BufferPool:
         tensor = meta.empty()
         if len(slots) < MAX_PER_SIZE and self.held_bytes + nbytes <= self.max_bytes:
             # (no slot list for sizes never kept: ever-new shapes must not grow the dict)
-            self._slots.setdefault((meta.device, nbytes), []).append(raw_untyped_storage(tensor))
+            storage = raw_untyped_storage(tensor)
+            self._slots.setdefault((meta.device, nbytes), []).append(storage)
+            pooled_storages.add(storage._cdata)
             self.held_bytes += nbytes
         return tensor
 
     def clear(self) -> None:
+        for slots in self._slots.values():
+            pooled_storages.difference_update(storage._cdata for storage in slots)
         self._slots.clear()
         self.held_bytes = 0

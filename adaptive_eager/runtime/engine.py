@@ -38,6 +38,7 @@ from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import control
 from adaptive_eager.dispatch.escapes import raw_untyped_storage
+from adaptive_eager.dispatch.interceptor import not_intercepted
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
 from adaptive_eager.fork_safety import reinit_in_child
@@ -144,7 +145,8 @@ def below_autograd() -> Iterator[None]:
     Deferred work flushed from outside the mode (sync, numpy(), ...) must run here: filling
     buffers with autograd active raises version-counter errors, and recorded ops already carry
     autocast's casts, so autocast must not apply them twice."""
-    with _disable_current_modes(), torch._C._AutoDispatchBelowADInplaceOrView(), _no_autocast():
+    with _disable_current_modes(), not_intercepted(), \
+            torch._C._AutoDispatchBelowADInplaceOrView(), _no_autocast():
         yield
 
 
@@ -264,6 +266,9 @@ class Runtime:
         self.pause_backoff_s = PAUSE_FIRST_S
         self.awaited_answers: int | None = None   # see awaited_kernel_landed()
         self.stood_aside = False                  # see stand_aside()
+        # Ops make copies of tensors it never sees (the C++ backend: Note [Shallow copies]
+        # in runtime/segment.py); set by the interceptor, for segments begun after.
+        self.unseen_copies = False
         _live_runtimes.add(self)
 
     @property
@@ -364,7 +369,7 @@ class Runtime:
             self._end_segment()
             builder = None
         if builder is None:
-            builder = self._builder = SegmentBuilder(key_context())
+            builder = self._builder = SegmentBuilder(key_context(), self.unseen_copies)
         return builder
 
     def _run_boundary(self, func, args: tuple, kwargs: dict, reason: Reason) -> Any:

@@ -34,7 +34,7 @@ def build_report() -> dict:
 
 def format_report(report: dict) -> str:
     counters = report["counters"]
-    lines = ["adaptive_eager report",
+    lines = [f"adaptive_eager report (backend {counters['backend'] or 'none'})",
              f"  ops seen {counters['ops_seen']}, fused runs {counters['fused_executions']} "
              f"({counters['fused_ops']} ops), per-op ops {counters['per_op_executions']}, "
              f"divergences {counters['divergences']}",

@@ -29,9 +29,11 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from adaptive_eager.dispatch.escapes import raw_untyped_storage, shares_outside_memory
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason
+from adaptive_eager.runtime.buffers import pooled_storages
 from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkeyable, encode_call,
                                                is_cpu_scalar, is_plain_tensor, tensor_arg,
                                                tensor_args, without_input_identity)
@@ -56,6 +58,33 @@ def unflatten_outputs(container: str, flat: list) -> Any:
     if container == SINGLE:
         return flat[0]
     return tuple(flat) if container == TUPLE else list(flat)
+
+
+# Note [Shallow copies]
+# Autograd saves an op's output for its backward as a shallow copy (tensor_data(): a new
+# TensorImpl on the same storage, made without any op), and unpacking a saved output for the
+# backward makes another. Under a Python dispatch mode each copy is made by an aten.detach the
+# mode sees (TensorImpl::shallow_copy_and_detach asks the mode), so it is a view of the output
+# like any other. The C++ backend (dispatch/interceptor.py) sees no op, which broke two things:
+# - Liveness: an intermediate whose only survivor was autograd's copy was judged dead, so its
+#   kernel did not write it and a later backward read an unfilled buffer. So with that
+#   backend, outputs are also live while something else holds their storage (a weak
+#   reference to it: held strongly, it would keep every intermediate's memory until the
+#   segment ends). Pooled buffers (runtime/buffers.py) are held by the pool too.
+# - Dataflow: a backward op in the same segment as its forward reads the unpacked copy, a
+#   tensor the segment did not know, so it was recorded as a new external input. Fused, that
+#   input is the deferred output's own buffer, read before the kernel fills it (the first
+#   fused run's probation saw garbage on both sides, and kept garbage gradients). So with
+#   that backend, an unknown tensor on the storage of one of the segment's outputs, with the
+#   same offset, shape, strides and dtype as that output (or a view of it), *is* that output:
+#   it gets the output's ref, as the detach's view would under the Python mode. Any other
+#   tensor on an output's storage made without an op cannot be followed: it ends the segment
+#   (reason unseen_alias), so the deferred work is done before it is read.
+_use_count = torch._C._storage_Use_Count
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return tensor.storage_offset(), tensor.shape, tensor.stride(), tensor.dtype
 
 
 class OpRecord(NamedTuple):
@@ -121,8 +150,9 @@ def from_wire(wire: tuple) -> Segment:
 class SegmentBuilder:
     """Records a segment op by op; knows each tensor's Ref and which outputs are still alive."""
 
-    def __init__(self, context: tuple) -> None:
+    def __init__(self, context: tuple, unseen_copies: bool = False) -> None:
         self.context = context
+        self._unseen_copies = unseen_copies            # Note [Shallow copies]
         self.started = clock.perf_counter()            # a segment's wall time starts here
         self.compute_seconds = 0.0                     # of which inside per-op calls
         self.extern_seconds = 0.0                      # of which inside extern ops (matmuls)
@@ -132,6 +162,10 @@ class SegmentBuilder:
         self._outputs: dict[Ref, weakref.ref] = {}     # non-view outputs: what kernels write
         self._views_of: dict[Ref, list[weakref.ref]] = {}  # output ref -> views of it
         self._view_roots: dict[Ref, Ref] = {}
+        self._storages: dict[Ref, StorageWeakRef] = {}   # Note [Shallow copies]
+        # Note [Shallow copies]: StorageImpl address -> (a weak reference to the storage,
+        # {(offset, shape, strides, dtype): ref of the output or view with that layout})
+        self._layouts: dict[int, tuple[StorageWeakRef, dict[tuple, Ref]]] = {}
         self.device: torch.device | None = None       # every tensor of a segment lives here
         self._signatures: dict[Any, list[tuple]] = {}  # func -> signatures recorded for it
         self._opening_shape: tuple | None = None      # ops[0].signature, inputs unnumbered
@@ -173,11 +207,26 @@ class SegmentBuilder:
 
     def _tensor_arg(self, tensor: torch.Tensor) -> TensorArg:
         known = self._known.get(id(tensor))       # once per tensor argument of every op
-        ref = known[1] if known is not None and known[0]() is tensor else self._new_input(tensor)
+        if known is not None and known[0]() is tensor:
+            ref = known[1]
+        else:
+            ref = (self._layouts and self._unseen_alias(tensor)) or self._new_input(tensor)
         arg = tensor_arg(tensor, ref)
         if arg.device != self.device and not is_cpu_scalar(arg):
             self._enter_device(arg.device)
         return arg
+
+    def _unseen_alias(self, tensor: torch.Tensor) -> Ref | None:
+        """Note [Shallow copies]: the ref of the output an unknown tensor aliases, if any."""
+        storage = raw_untyped_storage(tensor)
+        entry = self._layouts.get(storage._cdata)
+        if entry is None or entry[0].expired():
+            return None
+        ref = entry[1].get(_layout(tensor))
+        if ref is None:
+            raise Unkeyable(Reason.UNSEEN_ALIAS, "a tensor on an output's memory made by no op")
+        self._known[id(tensor)] = (weakref.ref(tensor), ref)
+        return ref
 
     def _enter_device(self, device: torch.device) -> None:
         if self.device is not None:
@@ -212,12 +261,29 @@ class SegmentBuilder:
             ref = ("out", index, out_index)
             wref = weakref.ref(tensor)
             self._known[id(tensor)] = (wref, ref)
+            if self._unseen_copies and tensor.layout is torch.strided:   # (sparse: no storage)
+                self._watch_storage(ref, tensor, root is None)
             if root is None:
                 self._outputs[ref] = wref
             else:
                 self._view_roots[ref] = root
                 if root[0] == "out":                  # views of inputs never need writing
                     self._views_of.setdefault(root, []).append(wref)
+
+    def _watch_storage(self, ref: Ref, tensor: torch.Tensor, whole: bool) -> None:
+        """Note [Shallow copies]: remember where ``ref`` lives, to know its unseen aliases."""
+        storage = raw_untyped_storage(tensor)
+        entry = self._layouts.get(storage._cdata)
+        if entry is not None and whole:
+            # A new output on a known storage: a pooled buffer handed out again
+            # (runtime/buffers.py), so the outputs it held before are dead, whatever holds it.
+            for old in entry[1].values():
+                self._storages.pop(old, None)
+        if entry is None or entry[0].expired() or whole:
+            entry = self._layouts[storage._cdata] = (StorageWeakRef(storage), {})
+        entry[1].setdefault(_layout(tensor), ref)
+        if whole:
+            self._storages[ref] = entry[0]
 
     def repeats(self, signature: tuple) -> bool:
         """Has a loop wrapped around? True if this exact call (same op, sources, scalars) is
@@ -239,7 +305,8 @@ class SegmentBuilder:
         """Outputs still readable now, directly or through a view (see Note [Liveness]); when
         none is, its final results (Note [Results thrown away])."""
         live = tuple(ref for ref, wref in self._outputs.items()
-                     if wref() is not None or self._live_view(ref) is not None)
+                     if wref() is not None or self._live_view(ref) is not None
+                     or self._held_elsewhere(ref))
         if live or any(op.kind is OpKind.MUTATING for op in self.ops):
             return live
         return self._final_results()
@@ -250,6 +317,16 @@ class SegmentBuilder:
         read = {arg.ref for op in self.ops if op.kind is not OpKind.VIEW
                 for arg in tensor_args((op.args, op.kwargs))}
         return tuple(ref for ref in self._outputs if ref not in read)
+
+    def _held_elsewhere(self, ref: Ref) -> bool:
+        """Note [Shallow copies]: does a tensor no op returned share the output's storage?"""
+        weak = self._storages.get(ref)
+        if weak is None or weak.expired():
+            return False
+        if weak.cdata not in pooled_storages:
+            return True
+        storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
+        return _use_count(storage._cdata) > 2             # the pool's and ours above
 
     def _live_view(self, ref: Ref) -> torch.Tensor | None:
         for wref in self._views_of.get(ref, ()):
@@ -267,11 +344,15 @@ class SegmentBuilder:
         if tensor is not None:
             return tensor
         view = self._live_view(ref)
-        if view is None:
+        if view is not None:
+            storage = raw_untyped_storage(view)
+        elif self._held_elsewhere(ref):           # Note [Shallow copies]
+            storage = torch.UntypedStorage._new_with_weak_ptr(self._storages[ref].cdata)
+        else:
             return None
         meta = self.ops[ref[1]].out_metas[ref[2]]
         whole = torch.empty((0,), dtype=meta.dtype, device=meta.device)
-        return whole.set_(raw_untyped_storage(view), 0, meta.shape, meta.stride)
+        return whole.set_(storage, 0, meta.shape, meta.stride)
 
     def finish(self, live_refs: tuple[Ref, ...]) -> Segment:
         metas = tuple(TensorMeta.of(t) for t in self.inputs)

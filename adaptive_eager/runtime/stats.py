@@ -33,6 +33,7 @@ class Stats:
     cache_hits_disk: int = 0
     cache_load_seconds: float = 0.0
     pauses: int = 0
+    backend: str = ""               # "cpp" or "python": what intercepts (see api.backend)
     fallbacks: types.MappingProxyType = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))
 
@@ -49,7 +50,7 @@ class Counters:
     """The mutable side: incremented by the runtime under one lock, frozen by ``snapshot``."""
 
     _FIELDS = tuple(f.name for f in dataclasses.fields(Stats)
-                    if f.name not in ("fallbacks", *_GAUGES))
+                    if f.name not in ("fallbacks", "backend", *_GAUGES))
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -10,6 +10,9 @@ import adaptive_eager as ae
 from adaptive_eager.config import config
 from helpers import assert_equal
 
+# Both interception backends (tests/conftest.py: backend).
+pytestmark = pytest.mark.usefixtures("backend")
+
 # A broad set of ops, each a function of a few float tensors (x: 4x6, y: 4x6, m: 6x5).
 OPS = {
     "pointwise": lambda x, y, m: (x.sin() * y.exp() - x.abs().sqrt()).clamp(-1, 1),

@@ -1,12 +1,16 @@
 """A complete small training loop under the runtime equals eager, step for step."""
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import adaptive_eager as ae
 from helpers import assert_equal
+
+# Both interception backends (tests/conftest.py: backend).
+pytestmark = pytest.mark.usefixtures("backend")
 
 
 def _setup():

@@ -1,0 +1,202 @@
+// The C++ interception backend: a boxed dispatcher fallback on DispatchKey::Fake.
+//
+// Note [The Fake key]
+// In torch 2.13 DispatchKey::Fake sits directly below Python and above BackendSelect, has no
+// fallback and no kernels of its own, so a fallback registered there sees every aten op below
+// autograd (forward after decomposition, backward, foreach optimizer ops), as a Python
+// TorchDispatchMode would, at ~0.2 us per op instead of ~4.4 us. It is registered at run time
+// (install(): a key someone else took is an error we can report, not a crash at import), and
+// only threads that include the key in their TLS dispatch set (set_included) reach it.
+//
+// The fallback, PyTorch's boxed fallbacks being the model: (1) the common case of a paused
+// thread passes the op straight through, asking Python every kResumeEvery ops whether to come
+// back; (2) a short list of exceptions passes through too; (3) everything else goes to the
+// Python callback on_op(OpOverload, args, kwargs), whose result replaces the arguments on the
+// stack. Everything this file runs below us happens with the key excluded, so ops the runtime
+// itself runs (or a kernel runs inside itself) are not seen again, as a dispatch mode is
+// popped while its handler runs.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <string>
+
+namespace py = pybind11;
+using c10::DispatchKey;
+using c10::DispatchKeySet;
+
+namespace {
+
+constexpr DispatchKey kKey = DispatchKey::Fake;
+const DispatchKeySet kBelow(DispatchKeySet::FULL_AFTER, kKey);
+
+// Set once under the GIL, before any thread includes the key; never freed (they live as
+// long as the process, like the registration).
+PyObject* g_on_op = nullptr;          // on_op(func, args, kwargs) -> result
+PyObject* g_should_resume = nullptr;  // should_resume() -> None; may call set_paused(False)
+int64_t g_resume_every = 1024;
+std::unique_ptr<torch::Library> g_library;
+
+thread_local bool t_paused = false;
+thread_local int64_t t_paused_ops = 0;
+
+void pass_through(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
+  c10::impl::ExcludeDispatchKeyGuard guard(kKey);
+  op.redispatchBoxed(ks & kBelow, stack);
+}
+
+// A paused thread's bare loop must come back without any control point, so every
+// g_resume_every paused ops Python is asked once (~1 us, a thousandth of an op each).
+void ask_resume() {
+  t_paused_ops = 0;
+  if (g_should_resume == nullptr) return;
+  c10::impl::ExcludeDispatchKeyGuard guard(kKey);
+  py::gil_scoped_acquire gil;
+  PyObject* result = PyObject_CallNoArgs(g_should_resume);
+  if (result == nullptr) throw py::error_already_set();
+  Py_DECREF(result);
+}
+
+// Mirrors torch's parseIValuesToPyArgsKwargs (not exported from libtorch_python in 2.13):
+// positional arguments up to the last non-default one, keyword-only ones unless defaulted,
+// and the integers that stand for dtypes, layouts and memory formats as their Python objects.
+py::object to_python(const c10::Argument& arg, const c10::IValue& value) {
+  if (value.isNone()) return py::none();
+  auto kind = arg.real_type()->kind();
+  if (auto optional = arg.real_type()->cast<c10::OptionalType>())
+    kind = optional->getElementType()->kind();
+  if (kind == c10::ScalarTypeType::Kind)
+    return py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<c10::ScalarType>(value.toInt()))));
+  if (kind == c10::LayoutType::Kind)
+    return py::reinterpret_borrow<py::object>(
+        reinterpret_cast<PyObject*>(torch::getTHPLayout(static_cast<c10::Layout>(value.toInt()))));
+  if (kind == c10::MemoryFormatType::Kind)
+    return py::reinterpret_borrow<py::object>(
+        torch::utils::getTHPMemoryFormat(static_cast<c10::MemoryFormat>(value.toInt())));
+  return torch::jit::toPyObject(value);
+}
+
+bool is_default(const c10::Argument& arg, const c10::IValue& value) {
+  return arg.default_value().has_value() && *arg.default_value() == value;
+}
+
+std::pair<py::tuple, py::dict> to_args_kwargs(const c10::FunctionSchema& schema,
+                                              c10::ArrayRef<c10::IValue> values) {
+  const auto& params = schema.arguments();
+  size_t kwarg_only_start = values.size();
+  while (kwarg_only_start > 0 && params[kwarg_only_start - 1].kwarg_only()) --kwarg_only_start;
+  size_t positional = kwarg_only_start;
+  while (positional > 0 && is_default(params[positional - 1], values[positional - 1]))
+    --positional;
+  py::tuple args(positional);
+  for (size_t i = 0; i < positional; ++i) args[i] = to_python(params[i], values[i]);
+  py::dict kwargs;
+  for (size_t i = kwarg_only_start; i < values.size(); ++i)
+    if (!is_default(params[i], values[i]))
+      kwargs[py::str(params[i].name())] = to_python(params[i], values[i]);
+  return {std::move(args), std::move(kwargs)};
+}
+
+// Mirrors torch's pushPyOutToStack.
+void push_result(const c10::FunctionSchema& schema, torch::jit::Stack* stack, py::handle out) {
+  const auto& returns = schema.returns();
+  if (returns.empty()) {
+    TORCH_CHECK(out.is_none(), "adaptive_eager: on_op for ", schema.name(),
+                " returned something where None was expected");
+  } else if (returns.size() == 1) {
+    stack->push_back(torch::jit::toIValue(out, returns[0].real_type()));
+  } else {
+    auto outs = py::reinterpret_borrow<py::sequence>(out);
+    for (size_t i = 0; i < returns.size(); ++i)
+      stack->push_back(torch::jit::toIValue(outs[i], returns[i].real_type()));
+  }
+}
+
+// Note [Below ADInplaceOrView]
+// The runtime must see the thread state a Python dispatch mode's handler sees: autograd and
+// ADInplaceOrView excluded. Ops that have an ADInplaceOrView kernel arrive so already, but
+// foreach ops have none (their autograd kernel only steps below autograd), so the per-tensor
+// in-place ops their kernel runs when the runtime calls it bumped version counters a second
+// time, beside the bump the runtime makes itself for foreach ops (runtime/engine.py,
+// _bump_versions): an AdamW parameter ended at version 20 where eager's was at 13.
+const DispatchKeySet kHidden =
+    c10::autograd_dispatch_keyset_with_ADInplaceOrView | DispatchKeySet(kKey);
+
+void call_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t num_args = schema.arguments().size();
+  c10::impl::ExcludeDispatchKeyGuard guard(kHidden);   // Note [Below ADInplaceOrView]
+  py::gil_scoped_acquire gil;
+  py::handle func = torch::detail::getTorchApiFunction(op);   // the OpOverload, cached
+  auto [args, kwargs] = to_args_kwargs(schema, torch::jit::last(*stack, num_args));
+  torch::jit::drop(*stack, num_args);
+  PyObject* out = PyObject_CallFunctionObjArgs(g_on_op, func.ptr(), args.ptr(), kwargs.ptr(),
+                                               nullptr);
+  if (out == nullptr) throw py::error_already_set();
+  push_result(schema, stack, py::reinterpret_steal<py::object>(out));
+}
+
+void fallback(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (t_paused) {
+    if (++t_paused_ops >= g_resume_every) ask_resume();
+    return pass_through(op, ks, stack);
+  }
+  // Exceptions, passed straight through:
+  // - meta tensors (FakeTensor propagation while Dynamo, AOTAutograd or make_fx traces: their
+  //   kernels run on meta tensors below the Python key) carry no data to fuse;
+  // - no callback (set_callbacks not called yet).
+  if (ks.has_backend(c10::BackendComponent::MetaBit) || g_on_op == nullptr)
+    return pass_through(op, ks, stack);
+  call_python(op, stack);
+}
+
+// "" when the fallback is registered (or was already, by us); else why not.
+std::string install() {
+  if (g_library) return "";
+  try {
+    auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kKey,
+                                                    __FILE__, __LINE__);
+    library->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
+    g_library = std::move(library);
+    return "";
+  } catch (const std::exception& err) {
+    std::string message = err.what();
+    return message.substr(0, message.find('\n'));
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "adaptive_eager's C++ interception backend (Note [The Fake key])";
+  m.def("install", &install, "Register the fallback: '' on success, else the reason.");
+  m.def("set_callbacks", [](py::object on_op, py::object should_resume, int64_t every) {
+    Py_XDECREF(g_on_op);
+    Py_XDECREF(g_should_resume);
+    g_on_op = on_op.inc_ref().ptr();
+    g_should_resume = should_resume.inc_ref().ptr();
+    g_resume_every = every > 0 ? every : 1;
+  });
+  m.def("set_included", [](bool on) {
+    bool previous = c10::impl::tls_is_dispatch_key_included(kKey);
+    c10::impl::tls_set_dispatch_key_included(kKey, on);
+    return previous;
+  }, "Include the key in this thread's dispatch set (intercept); returns the previous state.");
+  m.def("is_included", [] { return c10::impl::tls_is_dispatch_key_included(kKey); });
+  m.def("set_excluded", [](bool on) {
+    bool previous = c10::impl::tls_is_dispatch_key_excluded(kKey);
+    c10::impl::tls_set_dispatch_key_excluded(kKey, on);
+    return previous;
+  }, "Exclude the key on this thread (ops the runtime runs itself); returns the previous state.");
+  m.def("set_paused", [](bool on) {
+    t_paused = on;
+    t_paused_ops = 0;
+  }, "Pass this thread's ops straight through (asking should_resume now and then).");
+  m.def("is_paused", [] { return t_paused; });
+}

@@ -1,0 +1,177 @@
+"""The C++ interception extension (csrc/intercept.cpp): built on first use, loaded, installed.
+
+Note [Building the extension]
+The extension is compiled with ``torch.utils.cpp_extension.load`` into
+``<CACHE_DIR>/ext/<torch version>-<source hash>/``, so a new torch or a changed source never
+loads an old build, and processes sharing the cache directory build it once (``load`` holds a
+lock file in that directory while it builds; a second process waits for it, then finds it
+built). The build takes 10-30 s, so it never happens in the program: ``prepare()`` imports a
+finished build at once (a few ms) or starts one in a niced subprocess and returns; a daemon
+thread waits for it (no CPU, no GIL) and marks it landed; the program runs on the Python mode
+meanwhile and switches at its next control point (dispatch/interceptor.py). No compiler, a
+failed build or a key someone else took: one log line, and the Python mode for good.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from types import ModuleType
+
+from adaptive_eager.config import config
+
+NAME = "adaptive_eager_intercept"
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "intercept.cpp")
+BUILD_TIMEOUT_S = 600          # a build (or a wait for another process's) taking longer fails
+BUILD_LOG = "build.log"
+
+log = logging.getLogger("adaptive_eager")
+
+_lock = threading.Lock()
+_module: ModuleType | None = None    # loaded and installed
+_failure: str | None = None          # why the extension cannot be used in this process
+_building: threading.Thread | None = None
+_landed = threading.Event()          # a background build ended (well or not)
+_listeners: list = []                # called (on the build thread) when it lands
+
+
+def build_directory() -> str:
+    import torch
+    with open(SOURCE, "rb") as handle:
+        digest = hashlib.sha256(handle.read()).hexdigest()[:16]
+    return os.path.join(config.CACHE_DIR, "ext", f"{torch.__version__}-{digest}")
+
+
+def _library_path(directory: str) -> str:
+    return os.path.join(directory, NAME + ".so")
+
+
+def loaded() -> ModuleType | None:
+    """The installed extension, or None (not built yet, failed, or not wanted)."""
+    return _module
+
+
+def failure() -> str | None:
+    return _failure
+
+
+def landed() -> bool:
+    """Has a background build ended since ``prepare()`` started one?"""
+    return _landed.is_set()
+
+
+def prepare(wait_s: float = 0.0) -> ModuleType | None:
+    """The extension if it can be used now; else start building it in the background (once
+    per process) and return None. ``wait_s``: wait that long for the build (tests, benches)."""
+    global _building
+    with _lock:
+        if _module is not None or _failure is not None:
+            return _module
+        directory = build_directory()
+        if os.path.exists(_library_path(directory)):
+            return _load(directory)
+        if _building is None:
+            _building = threading.Thread(target=_build_in_background, args=(directory,),
+                                         name="adaptive_eager-build", daemon=True)
+            _building.start()
+        thread = _building
+    if wait_s:
+        thread.join(wait_s)
+        return finish()
+    return None
+
+
+def finish() -> ModuleType | None:
+    """After a background build landed: load its result (call from a program thread)."""
+    with _lock:
+        if _module is not None or _failure is not None or not _landed.is_set():
+            return _module
+        directory = build_directory()
+        if not os.path.exists(_library_path(directory)):
+            return _fail(f"the build left no library (see {os.path.join(directory, BUILD_LOG)})")
+        return _load(directory)
+
+
+def _build_in_background(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        env = dict(os.environ)
+        env["NEURON_ADAPTIVE_EAGER"] = "0"          # the build must not run under us
+        with open(os.path.join(directory, BUILD_LOG), "ab") as output:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "adaptive_eager.dispatch.native", directory, SOURCE],
+                stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env)
+            try:
+                process.wait(BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    except OSError as err:
+        log.debug("extension build could not start: %s", err)
+    finally:
+        _landed.set()
+        for listener in list(_listeners):
+            listener()
+
+
+def when_landed(listener) -> None:
+    """Call ``listener()`` (on the build's thread; it must only set flags) once a background
+    build ends; now if it has."""
+    with _lock:
+        if listener not in _listeners:
+            _listeners.append(listener)
+    if _landed.is_set():
+        listener()
+
+
+def _load(directory: str) -> ModuleType | None:
+    """Import a finished build and register its fallback (holding ``_lock``)."""
+    global _module
+    started = time.perf_counter()
+    try:
+        spec = importlib.util.spec_from_file_location(NAME, _library_path(directory))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as err:
+        return _fail(f"the built extension does not import: {err}")
+    taken = module.install()
+    if taken:
+        return _fail(f"DispatchKey::Fake is taken: {taken}")
+    _module = module
+    log.debug("C++ interception loaded in %.3f s from %s", time.perf_counter() - started,
+              directory)
+    return module
+
+
+def _fail(reason: str) -> None:
+    global _failure
+    _failure = reason
+    level = logging.WARNING if config.BACKEND == "cpp" else logging.INFO
+    log.log(level, "C++ interception unavailable, using the Python dispatch mode: %s", reason)
+    return None
+
+
+def forget() -> None:
+    """Tests: forget a failure (a loaded, installed module stays: it cannot be unloaded)."""
+    global _failure, _building
+    with _lock:
+        _failure, _building = None, None
+        _landed.clear()
+
+
+def _build(directory: str, source: str) -> None:
+    """The build subprocess: compile (or wait for another process compiling) into
+    ``directory``. Errors go to stderr, which is BUILD_LOG there."""
+    os.nice(10)
+    from torch.utils.cpp_extension import load
+    load(name=NAME, sources=[source], build_directory=directory, extra_cflags=["-O2"],
+         verbose=True)
+
+
+if __name__ == "__main__":
+    _build(sys.argv[1], sys.argv[2])

@@ -1,0 +1,226 @@
+"""The C++ interception backend (csrc/intercept.cpp, dispatch/native.py, dispatch/interceptor.py).
+
+The extension is built once per machine by the `cpp_extension` fixture (10-30 s, cached in the
+default cache directory); parity of ops on this backend runs in tests/runtime (the `backend`
+fixture). Fallbacks to the Python mode run in subprocesses: a process can register the
+fallback only once.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager.config import config
+from adaptive_eager.dispatch import native
+from helpers import MECHANICS_ENV, assert_equal
+
+pytestmark = pytest.mark.usefixtures("cpp_extension")
+
+
+def test_ops_go_through_the_cpp_backend_and_equal_eager():
+    x = torch.randn(32, requires_grad=True)
+    expected = ((x * 2).sin() * x).sum()
+    expected.backward()
+    expected_grad, x.grad = x.grad.clone(), None
+    with config.patch(BACKEND="cpp", COMPILE=False), ae.enabled():
+        got = ((x * 2).sin() * x).sum()
+        got.backward()
+        stats = ae.stats()
+    assert stats.backend == "cpp"
+    assert stats.ops_seen >= 8                           # forward and backward ops
+    assert_equal(got, expected, bitwise=True)
+    assert_equal(x.grad, expected_grad, bitwise=True)
+
+
+def test_errors_of_an_op_reach_the_program():
+    with config.patch(BACKEND="cpp"), ae.enabled():
+        with pytest.raises(RuntimeError, match="size"):
+            torch.ones(3) + torch.ones(4)
+        assert_equal(torch.ones(3) + 1, torch.full((3,), 2.0))   # still intercepting
+
+
+def test_python_backend_when_asked():
+    with config.patch(BACKEND="python"), ae.enabled():
+        torch.ones(3) + 1
+        assert ae.stats().backend == "python"
+
+
+def test_a_bare_loop_pauses_and_resumes_without_control_points(monkeypatch):
+    from adaptive_eager.dispatch.interceptor import RESUME_EVERY
+    from adaptive_eager.runtime import engine
+    monkeypatch.setattr(engine, "PAUSE_FIRST_S", 0.0)   # the pause is over at once...
+    x = torch.randn(8)
+    with config.patch(BACKEND="cpp", PAUSE=True, PAUSE_WINDOW=20, MIN_SEGMENT_US=1000,
+                      HOT_THRESHOLD=5, KEEP_UNPROFITABLE=False), ae.enabled():
+        outs = [(x * 2).sin().sum() for _ in range(60)]
+        assert ae.is_paused() and ae.stats().pauses == 1    # paused with no control point
+        seen = ae.stats().ops_seen
+        for _ in range(RESUME_EVERY + 8):                  # ...and noticed within
+            (x * 2).sin().sum()                            # RESUME_EVERY ops
+        assert ae.stats().pauses >= 1 and ae.stats().ops_seen > seen   # intercepting again
+    for out in outs:
+        assert_equal(out, (x * 2).sin().sum())
+
+
+def test_dynamo_does_not_recompile_because_of_the_key():
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    @torch.compile(backend="eager")
+    def user_compiled(x):
+        return (x * 2 + 1).sin()
+
+    x = torch.randn(64)
+    expected = (x * 2 + 1).sin()
+    dynamo_counters.clear()
+    user_compiled(x)                                     # compiled with the runtime off
+    with config.patch(BACKEND="cpp"), ae.enabled():
+        got = [user_compiled(x) for _ in range(3)]
+        assert ae.stats().ops_seen == 0                  # compiled code ran untouched
+        (x * 3).cos()                                    # and the key is back after it
+        assert ae.stats().ops_seen == 2
+    for out in got:
+        assert_equal(out, expected)
+    user_compiled(x)
+    assert dynamo_counters["stats"]["unique_graphs"] == 1
+    assert not dynamo_counters["recompiles"]
+
+
+def test_compiled_code_reads_deferred_outputs_filled():
+    @torch.compile(backend="eager")
+    def user_compiled(y):
+        return y * 2
+
+    x = torch.randn(64)
+    expected = ((x * 1.5 + 0.25).sin() - 0.5) * 2
+    user_compiled(x)
+    with config.patch(BACKEND="cpp"), ae.enabled():
+        got = []
+        for _ in range(4):
+            y = (x * 1.5 + 0.25).sin() - 0.5             # fused from its second run on
+            got.append(user_compiled(y))                 # reads y without a dispatched op
+        assert ae.stats().fused_executions >= 1
+    for out in got:
+        assert_equal(out, expected)
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter; ``env`` values of None unset a variable."""
+    full_env = {**os.environ, **MECHANICS_ENV, **env}
+    full_env = {name: value for name, value in full_env.items() if value is not None}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_taken_key_falls_back_to_python_with_one_log_line():
+    from adaptive_eager.config import _default_cache_dir
+    result = _run("""
+        import torch
+        lib = torch.library.Library("_", "IMPL")
+        lib.fallback(lambda *a: None, "Fake", with_keyset=True)   # someone else took it
+        import adaptive_eager as ae
+        ae.enable()
+        print("backend", ae.stats().backend, (torch.ones(2) + 1).sum().item())
+        ae.disable()
+    """, {"NEURON_ADAPTIVE_EAGER_BACKEND": "cpp",
+          "NEURON_ADAPTIVE_EAGER_CACHE_DIR": _default_cache_dir()})
+    assert result.returncode == 0, result.stderr
+    assert "backend python 4.0" in result.stdout
+    lines = [line for line in result.stderr.splitlines() if "C++ interception" in line]
+    assert len(lines) == 1 and "taken" in lines[0], result.stderr
+
+
+def test_a_failed_build_falls_back_to_python_with_one_log_line(tmp_path):
+    broken = tmp_path / "intercept.cpp"
+    broken.write_text("#error a compiler error on purpose\n")
+    result = _run(f"""
+        import torch
+        from adaptive_eager.dispatch import native
+        native.SOURCE = {str(broken)!r}
+        import adaptive_eager as ae
+        ae.enable()                                    # starts the build, runs on python
+        print("first", ae.stats().backend)
+        native._building.join(120)
+        torch.ones(2) + 1
+        ae.sync()                                      # a control point: would switch
+        print("then", ae.stats().backend, native.failure() is not None)
+        ae.disable()
+    """, {"NEURON_ADAPTIVE_EAGER_BACKEND": "cpp", "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "first python" in result.stdout and "then python True" in result.stdout
+    lines = [line for line in result.stderr.splitlines() if "C++ interception" in line]
+    assert len(lines) == 1, result.stderr
+
+
+def test_the_build_directory_is_keyed_by_torch_version_and_source():
+    directory = native.build_directory()
+    assert torch.__version__ in os.path.basename(directory)
+    assert os.path.dirname(directory) == os.path.join(config.CACHE_DIR, "ext")
+
+
+def test_auto_on_a_fresh_machine_starts_on_python_and_switches_to_cpp(tmp_path):
+    """No extension built yet (an empty cache directory): the program starts at once on the
+    Python mode while the extension builds in the background, switches to cpp at a control
+    point once it lands, and trains as eager does throughout."""
+    result = _run("""
+        import torch
+        import torch.nn.functional as F
+        import adaptive_eager as ae
+        from adaptive_eager.dispatch import native
+
+        def train(model, opt, data, target, steps):
+            losses = []
+            for _ in range(steps):
+                opt.zero_grad(set_to_none=True)
+                loss = F.mse_loss(model(data), target)
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            return losses
+
+        def make_model():                  # made alike (a deepcopy starts at version 0)
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                       torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+
+        model, eager_model = make_model(), make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        eager_opt = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, foreach=True)
+        data, target = torch.randn(8, 16), torch.randn(8, 4)
+        expected = train(eager_model, eager_opt, data, target, 12)
+        ae.enable()
+        losses = train(model, opt, data, target, 4)
+        print("first", ae.stats().backend)
+        native._building.join(600)
+        losses += train(model, opt, data, target, 8)
+        print("then", ae.stats().backend, ae.stats().fused_executions > 0)
+        ae.disable()
+        torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
+        for p, q in zip(model.parameters(), eager_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+            assert p._version == q._version
+        print("equal")
+    """, {"NEURON_ADAPTIVE_EAGER_BACKEND": None,         # the default: auto
+          "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path),
+          "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "2"})
+    assert result.returncode == 0, result.stderr
+    assert "first python" in result.stdout, result.stdout
+    assert "then cpp True" in result.stdout and "equal" in result.stdout, result.stdout
+    assert os.listdir(tmp_path / "ext")                 # built into the cache directory
+
+
+@pytest.mark.parametrize("backend", ["cpp", "python"])
+def test_sparse_outputs_and_no_state_left_for_the_next_runtime(backend):
+    """A sparse output has no storage to watch (Note [Shallow copies]), and what a cpp runtime
+    needs stays with it: a Python-mode runtime after it ran ops as before (opinfo's
+    to_sparse raised NotImplementedError once a cpp runtime had existed)."""
+    x = torch.randn(5, 5)
+    with config.patch(BACKEND="cpp", COMPILE=False), ae.enabled():
+        (x * 2).sin()
+    with config.patch(BACKEND=backend, COMPILE=False), ae.enabled():
+        got = (x * 2).to_sparse().to_dense() + 1
+        assert ae.stats().backend == backend
+    assert_equal(got, x * 2 + 1, bitwise=True)
