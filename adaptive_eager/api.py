@@ -14,7 +14,7 @@ from adaptive_eager.config import config
 from adaptive_eager.dispatch import control, escapes
 from adaptive_eager.dispatch import interceptor as interceptors
 from adaptive_eager.fork_safety import at_fork
-from adaptive_eager.runtime import clock, engine
+from adaptive_eager.runtime import clock, engine, native_plans
 from adaptive_eager.runtime.allocator import keep_freed_memory
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.policy import freeze_gc, unfreeze_gc
@@ -333,6 +333,7 @@ def _publish_all_counts() -> None:
     """Runtimes count ops locally (no lock per op); gather them into the shared counters."""
     for runtime in engine.live_runtimes():
         runtime.publish_counts()
+    native_plans.publish_counts()
 
 
 def _after_fork_in_child() -> None:

@@ -35,6 +35,18 @@ from adaptive_eager.runtime import clock  # noqa: E402
 from helpers import MECHANICS, FakeClock  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def default_backend() -> str:
+    """What a user's program runs on here: cpp where the extension builds (as from a user's
+    second run on; built once per machine into the default cache directory), python where
+    it cannot be (no compiler)."""
+    from adaptive_eager.config import _default_cache_dir
+    from adaptive_eager.dispatch import native
+    with config.patch(CACHE_DIR=_default_cache_dir()):
+        ext = native.prepare(wait_s=native.BUILD_TIMEOUT_S)
+    return "cpp" if ext is not None else "python"
+
+
 @pytest.fixture(autouse=True)
 def fresh_runtime(request, tmp_path, monkeypatch):
     """Empty key table, counters and cache directory; HOT_THRESHOLD=2; the counting compiler
@@ -45,9 +57,12 @@ def fresh_runtime(request, tmp_path, monkeypatch):
     ae.reset()
     compiler = InductorCompiler() if request.node.get_closest_marker("inductor") else \
         CountingCompiler()
-    # The Python backend unless a test asks for the `backend` fixture: with auto, a build
-    # landing mid-test would switch backends under it.
-    with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache"), BACKEND="python",
+    # What users run (never auto: a build landing mid-test would switch backends under it);
+    # tests of the Python mode's own mechanisms are marked python_mode, and the `backend`
+    # fixture runs a test on each.
+    backend = "python" if request.node.get_closest_marker("python_mode") else \
+        request.getfixturevalue("default_backend")
+    with config.patch(HOT_THRESHOLD=2, CACHE_DIR=str(tmp_path / "ae-cache"), BACKEND=backend,
                       **MECHANICS), use_compiler(compiler):
         yield compiler
     leaked = ae.is_enabled()
@@ -101,7 +116,12 @@ def backend(request, fresh_runtime):
         request.getfixturevalue("cpp_extension")
     with config.patch(BACKEND=request.param):
         yield request.param
-        assert ae.stats().backend in ("", request.param)   # it really ran on that backend
+        stats = ae.stats()
+        assert stats.backend in ("", request.param)   # it really ran on that backend
+        if os.environ.get("AE_DEBUG_NATIVE"):
+            with open(os.environ["AE_DEBUG_NATIVE"], "a") as log:
+                log.write(f"{request.node.nodeid} {stats.native_fused_executions} "
+                          f"{stats.fused_executions}\n")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,6 +23,8 @@
 #include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/library.h>
 
+#include "hot_path.h"
+
 #include <memory>
 #include <string>
 
@@ -128,18 +130,23 @@ void push_result(const c10::FunctionSchema& schema, torch::jit::Stack* stack, py
 const DispatchKeySet kHidden =
     c10::autograd_dispatch_keyset_with_ADInplaceOrView | DispatchKeySet(kKey);
 
-void call_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// False (the stack untouched) when Python answers that a segment just ended at this op
+// (adaptive_eager::is_retry).
+bool call_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t num_args = schema.arguments().size();
   c10::impl::ExcludeDispatchKeyGuard guard(kHidden);   // Note [Below ADInplaceOrView]
   py::gil_scoped_acquire gil;
   py::handle func = torch::detail::getTorchApiFunction(op);   // the OpOverload, cached
   auto [args, kwargs] = to_args_kwargs(schema, torch::jit::last(*stack, num_args));
-  torch::jit::drop(*stack, num_args);
   PyObject* out = PyObject_CallFunctionObjArgs(g_on_op, func.ptr(), args.ptr(), kwargs.ptr(),
                                                nullptr);
   if (out == nullptr) throw py::error_already_set();
-  push_result(schema, stack, py::reinterpret_steal<py::object>(out));
+  auto result = py::reinterpret_steal<py::object>(out);
+  if (adaptive_eager::is_retry(out)) return false;
+  torch::jit::drop(*stack, num_args);
+  push_result(schema, stack, result);
+  return true;
 }
 
 void fallback(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
@@ -153,7 +160,11 @@ void fallback(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stac
   // - no callback (set_callbacks not called yet).
   if (ks.has_backend(c10::BackendComponent::MetaBit) || g_on_op == nullptr)
     return pass_through(op, ks, stack);
-  call_python(op, stack);
+  // Note [The C++ hot path]: the op may be deferred in C++; else Python sees it, and when
+  // Python ended a segment at it, the C++ hot path may begin the next one with it.
+  if (adaptive_eager::hot_path_op(op, ks, stack) || call_python(op, stack)) return;
+  if (adaptive_eager::hot_path_op(op, ks, stack) || call_python(op, stack)) return;
+  TORCH_CHECK(false, "adaptive_eager: ", op.schema().name(), " was sent back twice");
 }
 
 // "" when the fallback is registered (or was already, by us); else why not.
@@ -199,4 +210,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     t_paused_ops = 0;
   }, "Pass this thread's ops straight through (asking should_resume now and then).");
   m.def("is_paused", [] { return t_paused; });
+  adaptive_eager::define_hot_path(m);
 }

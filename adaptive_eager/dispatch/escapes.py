@@ -45,6 +45,7 @@ import weakref
 
 import torch
 
+from adaptive_eager.dispatch import native
 from adaptive_eager.fork_safety import reinit_in_child
 
 # The runtime's own storage access must not go through the flushing wrapper below (it would
@@ -127,6 +128,14 @@ def _remember_outside_memory(storage) -> None:
         _any_outside_memory = True
 
 
+def tell_outside_memory(ext) -> None:
+    """The C++ extension just loaded: what it must know of Note [Outside memory] so far."""
+    with _outside_lock:
+        storages = list(_outside_memory.values())
+    for storage in storages:
+        ext.note_outside(torch.empty(0, dtype=torch.uint8).set_(storage))
+
+
 def _remembering_outside_memory(constructor):
     @functools.wraps(constructor)
     def wrapper(*args, **kwargs):
@@ -136,6 +145,9 @@ def _remembering_outside_memory(constructor):
             # not resizable: not torch's own allocation, so shared (as_tensor may copy instead)
             if storage is not None and not storage.resizable():
                 _remember_outside_memory(storage)
+                ext = native.loaded()
+                if ext is not None:            # Note [The C++ hot path]
+                    ext.note_outside(tensor)
         return tensor
     wrapper.__adaptive_eager_original__ = constructor
     return wrapper
@@ -159,6 +171,26 @@ def _flushing(method, flush):
         flush()
         return method(self, *args, **kwargs)
     wrapper.__adaptive_eager_original__ = method
+    return wrapper
+
+
+def _unseen(method):
+    """``method`` with the C++ interception off while it runs. torch turns dispatch modes
+    off around the detach inside ``Tensor._make_subclass`` (nn.Parameter, nn.Buffer), whose
+    result must be a tensor no Python object was made for yet; the C++ backend handed that
+    detach to the runtime, which made one, and building any nn.Module raised "the raw Tensor
+    object is already associated to a python object of type Tensor"."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        ext = native.loaded()
+        if ext is None:
+            return method(*args, **kwargs)
+        previous = ext.set_excluded(True)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            ext.set_excluded(previous)
+    wrapper.__adaptive_eager_original__ = getattr(method, "__adaptive_eager_original__", method)
     return wrapper
 
 
@@ -187,8 +219,11 @@ def install() -> None:
             _originals[owner, name] = owner.__dict__.get(name)
             setattr(owner, name, _flushing(getattr(owner, name), flush))
         _originals[torch.Tensor, "_make_subclass"] = torch.Tensor.__dict__.get("_make_subclass")
-        torch.Tensor._make_subclass = staticmethod(_flushing(   # Note [Storage aliases]
-            torch.Tensor._make_subclass, _flush_deferred_unless_compiling))
+        torch.Tensor._make_subclass = staticmethod(_unseen(_flushing(   # Note [Storage aliases]
+            torch.Tensor._make_subclass, _flush_deferred_unless_compiling)))
+        _originals[torch.Tensor, "as_subclass"] = torch.Tensor.__dict__.get("as_subclass")
+        torch.Tensor.as_subclass = _unseen(_flushing(       # its alias, as _make_subclass's
+            torch.Tensor.as_subclass, _flush_deferred_unless_compiling))
         _originals[torch.Tensor, "data"] = torch.Tensor.__dict__.get("data")
         torch.Tensor.data = _data_property
         for owner, name in _SHARING_CONSTRUCTORS:

@@ -70,6 +70,7 @@ class CppInterceptor:
         _set_callbacks(ext)
         _hide_from_dynamo()
         runtime.unseen_copies = True       # Note [Shallow copies] (runtime/segment.py)
+        runtime.native = ext               # Note [The C++ hot path] (csrc/hot_path.cpp)
         self.runtime = runtime
         self.ext = ext
         self.active = False
@@ -79,6 +80,8 @@ class CppInterceptor:
         self._was_included = ext.set_included(True)
         self._was_paused = ext.is_paused()
         ext.set_paused(True)
+        self._was_hot = ext.set_hot_thread(True)
+        ext.set_pool_limit(config.BUFFER_POOL_MB << 20)
         _local.top = self
 
     def activate(self) -> None:
@@ -97,6 +100,11 @@ class CppInterceptor:
 
     def close(self) -> None:
         self.active = False
+        self.runtime.native = None
+        self.ext.set_open(False)
+        self.ext.set_hot_thread(self._was_hot)
+        if self._outer is None:
+            self.ext.pool_clear()              # as the runtime gives back its own pool
         _local.top = self._outer
         self.ext.set_paused(self._was_paused)
         self.ext.set_included(self._was_included)
@@ -113,6 +121,7 @@ class CppInterceptor:
             return runtime.on_op(func, args, kwargs)
         finally:
             self.in_op = False
+            self.ext.set_open(runtime.segment_open())
 
 
 def _on_op(func, args: tuple, kwargs: dict):
@@ -124,6 +133,12 @@ def _on_op(func, args: tuple, kwargs: dict):
         # dispatch TLS), or Dynamo/export tracing user code: run the op as it comes.
         return func(*args, **kwargs)
     return interceptor.on_op(func, args, kwargs)
+
+
+def current_runtime():
+    """The runtime the C++ interceptor of this thread serves (None: none)."""
+    interceptor = getattr(_local, "top", None)
+    return None if interceptor is None else interceptor.runtime
 
 
 def _should_resume() -> None:

@@ -9,7 +9,9 @@ built). The build takes 10-30 s, so it never happens in the program: ``prepare()
 finished build at once (a few ms) or starts one in a niced subprocess and returns; a daemon
 thread waits for it (no CPU, no GIL) and marks it landed; the program runs on the Python mode
 meanwhile and switches at its next control point (dispatch/interceptor.py). No compiler, a
-failed build or a key someone else took: one log line, and the Python mode for good.
+failed build or a key someone else took: one log line, and the Python mode for good. The
+library is code the program loads, so it is trusted as artifacts are (Note [Trusted cache] in
+cache/trust.py): built into a private directory, never loaded from one others can write.
 """
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ import threading
 import time
 from types import ModuleType
 
+from adaptive_eager.cache import trust
 from adaptive_eager.config import config
 
 NAME = "adaptive_eager_intercept"
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc", "intercept.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
+SOURCES = tuple(os.path.join(_CSRC, name) for name in ("intercept.cpp", "hot_path.cpp"))
+HEADERS = (os.path.join(_CSRC, "hot_path.h"),)
 BUILD_TIMEOUT_S = 600          # a build (or a wait for another process's) taking longer fails
 BUILD_LOG = "build.log"
 
@@ -42,8 +47,11 @@ _listeners: list = []                # called (on the build thread) when it land
 
 def build_directory() -> str:
     import torch
-    with open(SOURCE, "rb") as handle:
-        digest = hashlib.sha256(handle.read()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as handle:
+            digest.update(handle.read())
+    digest = digest.hexdigest()[:16]
     return os.path.join(config.CACHE_DIR, "ext", f"{torch.__version__}-{digest}")
 
 
@@ -75,6 +83,9 @@ def prepare(wait_s: float = 0.0) -> ModuleType | None:
         directory = build_directory()
         if os.path.exists(_library_path(directory)):
             return _load(directory)
+        if trust.distrusted_dir(config.CACHE_DIR):
+            return _fail(f"the cache directory is not private: "
+                         f"{trust.why_untrusted(config.CACHE_DIR, config.CACHE_DIR)}")
         if _building is None:
             _building = threading.Thread(target=_build_in_background, args=(directory,),
                                          name="adaptive_eager-build", daemon=True)
@@ -99,12 +110,12 @@ def finish() -> ModuleType | None:
 
 def _build_in_background(directory: str) -> None:
     try:
-        os.makedirs(directory, exist_ok=True)
+        trust.make_dirs(config.CACHE_DIR, os.path.relpath(directory, config.CACHE_DIR))
         env = dict(os.environ)
         env["NEURON_ADAPTIVE_EAGER"] = "0"          # the build must not run under us
         with open(os.path.join(directory, BUILD_LOG), "ab") as output:
             process = subprocess.Popen(
-                [sys.executable, "-m", "adaptive_eager.dispatch.native", directory, SOURCE],
+                [sys.executable, "-m", "adaptive_eager.dispatch.native", directory, *SOURCES],
                 stdin=subprocess.DEVNULL, stdout=output, stderr=output, env=env)
             try:
                 process.wait(BUILD_TIMEOUT_S)
@@ -133,6 +144,9 @@ def _load(directory: str) -> ModuleType | None:
     """Import a finished build and register its fallback (holding ``_lock``)."""
     global _module
     started = time.perf_counter()
+    untrusted = trust.why_untrusted(_library_path(directory), config.CACHE_DIR)
+    if untrusted:                          # Note [Trusted cache] (cache/trust.py)
+        return _fail(f"the built extension is not loaded: {untrusted}")
     try:
         spec = importlib.util.spec_from_file_location(NAME, _library_path(directory))
         module = importlib.util.module_from_spec(spec)
@@ -142,6 +156,8 @@ def _load(directory: str) -> ModuleType | None:
     taken = module.install()
     if taken:
         return _fail(f"DispatchKey::Fake is taken: {taken}")
+    from adaptive_eager.dispatch.escapes import tell_outside_memory
+    tell_outside_memory(module)
     _module = module
     log.debug("C++ interception loaded in %.3f s from %s", time.perf_counter() - started,
               directory)
@@ -164,14 +180,14 @@ def forget() -> None:
         _landed.clear()
 
 
-def _build(directory: str, source: str) -> None:
+def _build(directory: str, sources: list[str]) -> None:
     """The build subprocess: compile (or wait for another process compiling) into
     ``directory``. Errors go to stderr, which is BUILD_LOG there."""
     os.nice(10)
     from torch.utils.cpp_extension import load
-    load(name=NAME, sources=[source], build_directory=directory, extra_cflags=["-O2"],
+    load(name=NAME, sources=sources, build_directory=directory, extra_cflags=["-O2"],
          verbose=True)
 
 
 if __name__ == "__main__":
-    _build(sys.argv[1], sys.argv[2])
+    _build(sys.argv[1], sys.argv[2:])

@@ -46,7 +46,7 @@ from adaptive_eager.runtime import clock
 from adaptive_eager.runtime.buffers import BufferPool
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.graph import run_eagerly
-from adaptive_eager.runtime import scheduling
+from adaptive_eager.runtime import native_plans, scheduling
 from adaptive_eager.runtime.policy import KeyState, KeyTable
 from adaptive_eager.runtime.segment import SegmentBuilder, flatten_outputs, unflatten_outputs
 from adaptive_eager.runtime.stats import counters
@@ -125,6 +125,7 @@ def after_fork_in_child() -> None:
         _disowned.append(table)
     for runtime in live_runtimes():
         runtime.stand_aside()
+    native_plans.after_fork_in_child()
 
 
 def release_idle_resources() -> None:
@@ -269,6 +270,9 @@ class Runtime:
         # Ops make copies of tensors it never sees (the C++ backend: Note [Shallow copies]
         # in runtime/segment.py); set by the interceptor, for segments begun after.
         self.unseen_copies = False
+        # The C++ extension when it intercepts for this runtime (Note [The C++ hot path] in
+        # csrc/hot_path.cpp): it defers and launches settled kernels itself.
+        self.native = None
         _live_runtimes.add(self)
 
     @property
@@ -296,7 +300,20 @@ class Runtime:
         counters.add("per_op_executions", per_op)
 
     def has_deferred(self) -> bool:
-        return self._hot is not None
+        return self._hot is not None or self._native_run_pending()
+
+    def _native_run_pending(self) -> bool:
+        native = self.native   # its runs belong to threads: only the owner's can be seen
+        return native is not None and threading.get_ident() == self.owner_thread and \
+            native.run_pending()
+
+    def segment_open(self) -> bool:
+        """Is a segment being recorded or deferred here (the C++ hot path starts none)?"""
+        return self._hot is not None or bool(self._builder)
+
+    def _sync_native_open(self) -> None:
+        if self.native is not None and threading.get_ident() == self.owner_thread:
+            self.native.set_open(self.segment_open())
 
     def flush(self, end_segment: bool = True) -> None:
         """Run deferred work now; with ``end_segment`` also close the segment being recorded.
@@ -304,6 +321,9 @@ class Runtime:
         Safe to call from anywhere outside the mode; a no-op while this thread is inside it."""
         if self._busy_thread == threading.get_ident():
             return
+        if self._native_run_pending():
+            with self._lock, below_autograd():
+                self.native.end_run()          # fused, or now ours (adopt_native_run)
         if self._hot is None and not (end_segment and self._builder):
             return
         with self._lock, below_autograd():
@@ -312,6 +332,7 @@ class Runtime:
                 self._end_segment()
             finally:
                 self._busy_thread = None
+        self._sync_native_open()
 
     def close(self) -> None:
         self.flush()
@@ -347,7 +368,7 @@ class Runtime:
                 return self._defer(child, func, op_class, args, kwargs, signature)
             builder.drop_inputs_from(known_inputs)
             self._end_hot()            # fused (new segment) or replayed (recording goes on)
-            return self._dispatch(func, op_class, args, kwargs)
+            return self._restart(func, op_class, args, kwargs)
         if builder.repeats(signature):
             # Note [Loop iterations]: the very same call (op, sources, scalars) comes again,
             # so a loop body has wrapped around. Cutting here aligns segments with iterations;
@@ -355,13 +376,22 @@ class Runtime:
             # drifts and whose keys never repeat.
             builder.drop_inputs_from(known_inputs)
             self._end_segment()
-            return self._dispatch(func, op_class, args, kwargs)
+            return self._restart(func, op_class, args, kwargs)
         elif len(builder) == 0:
             root = self.table.trie.root(builder.context)
             child = root.children.get(signature) if root is not None else None
             if child is not None:
                 return self._defer(child, func, op_class, args, kwargs, signature)
         return self._run_cold(func, op_class, args, kwargs, signature, known_inputs)
+
+    def _restart(self, func, op_class: OpClass, args: tuple, kwargs: dict) -> Any:
+        """A segment ended at this op, which may begin the next one: on the C++ backend its
+        hot path tries first (Note [The C++ hot path]), so the op goes back to it."""
+        if self.native is not None and self._hot is None and not self._builder and \
+                native_plans.registered():
+            self._ops_seen -= 1                 # it comes again
+            return native_plans.RETRY
+        return self._dispatch(func, op_class, args, kwargs)
 
     def _current_builder(self) -> SegmentBuilder:
         builder = self._builder
@@ -622,7 +652,35 @@ class Runtime:
         counters.add("fused_executions")
         counters.add("fused_ops", len(builder))
         self.table.touch(variant, seconds)
+        if self.native is not None:
+            native_plans.offer(variant, self.table.trie, self.native)
         return True
+
+    # ---------------------------------------------------------------- the C++ hot path
+
+    def ran_native_kernel(self, variant) -> None:
+        """The extension ran ``variant``'s kernel at a segment end (native_plans._launch)."""
+        self._watch_kernel(variant)
+
+    def adopt_native_run(self, segment, depth: int, inputs: list, outputs: list) -> None:
+        """Note [The C++ hot path]: a deferred run the extension cannot end fused becomes
+        this engine's own, as if it had deferred the first ``depth`` ops of ``segment``
+        itself; the op at hand then comes here as any op does (it may go on along the trie,
+        or end the run: fused, or replayed and recorded on). ``outputs`` (each op's flat
+        outputs, None where dead) is emptied, so only the user's references keep them alive
+        (Note [Liveness] in runtime/segment.py)."""
+        with self._lock:
+            records = segment.ops[:depth]
+            builder = SegmentBuilder(segment.context, self.unseen_copies)
+            for tensor in inputs:
+                builder.add_input(tensor)
+            for index, record in enumerate(records):
+                builder.append(record, tuple(outputs[index]))
+            outputs.clear()
+            node = self.table.trie.node_at(segment.context, records)
+            self._builder = builder
+            self._hot = node if node is not None else TrieNode(records[-1])
+        self._sync_native_open()
 
     def _reject(self, variant, checker: Verification, buffers: list, inputs: list) -> None:
         """A fused run computed something else than per-op: keep the per-op result, never run

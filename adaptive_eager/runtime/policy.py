@@ -38,13 +38,14 @@ from adaptive_eager.runtime.describe import key_parts, op_lines
 from adaptive_eager.runtime.generic import fits, generalize
 from adaptive_eager.runtime.generic import from_wire as from_generic_wire
 from adaptive_eager.dispatch import control
-from adaptive_eager.runtime import clock, scheduling
+from adaptive_eager.runtime import clock, native_plans, scheduling
 from adaptive_eager.runtime.scheduling import CompileQueue
 from adaptive_eager.runtime.segment import Segment, to_wire
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, Variant
 
 MIN_COMPUTE_OPS = 2   # a single op gains nothing from fusion and pays the hot-path overhead
+NATIVE_US_PER_OP = 2        # the per-op gate where the C++ hot path runs kernels
 PROFIT_SAMPLES = 3    # fused runs timed (after a first, warm-up run) before judging a kernel,
                       # each beside a plain eager run (Note [Side by side])
 PROFIT_MARGIN = 0.10  # a kernel must beat per-op by this fraction to be kept
@@ -153,10 +154,15 @@ class KeyEntry:
     @property
     def too_cheap(self) -> bool:
         """Do its ops compute for less than MIN_SEGMENT_US + MIN_US_PER_OP per op (the least
-        run so far)? Per-op timings include the call through the dispatch mode, and the hot
-        path costs ~40 us per op (bench/overhead.py): a 7-op block of ever-new small shapes
-        measured ~170 us here, above MIN_SEGMENT_US, yet no kernel of it could beat eager."""
-        limit_us = config.MIN_SEGMENT_US + config.MIN_US_PER_OP * len(self.segment.ops)
+        run so far)? Per-op timings include the call through the dispatch mode, and Python's
+        hot path costs ~25-40 us per op (bench/overhead.py): a 7-op block of ever-new small
+        shapes measured ~170 us here, above MIN_SEGMENT_US, yet no kernel of it could beat
+        eager. The C++ hot path costs about a microsecond per op: there the per-op term is at
+        most NATIVE_US_PER_OP."""
+        per_op_us = config.MIN_US_PER_OP
+        if native_plans.hot_path_available():     # Note [The C++ hot path]: ~1 us per op
+            per_op_us = min(per_op_us, NATIVE_US_PER_OP)
+        limit_us = config.MIN_SEGMENT_US + per_op_us * len(self.segment.ops)
         return self.compute_seconds * 1e6 < limit_us
 
     @property
@@ -687,14 +693,13 @@ class KeyTable:
     def _send(self, target, compiler, digest: str, segment: tuple, metas: tuple,
               variants: tuple = ()) -> None:
         """A compile request for ``target`` (a KeyEntry, or a Structure's generic kernel)."""
-        import torch
         if self.worker is None:
             self.worker = CompileWorker(self.disk.store.directory, config.COMPILE_TIMEOUT_S)
             _prepare_loading(compiler)
         self._next_request += 1
         request = CompileRequest(self._next_request, digest, segment, metas,
                                  (type(compiler).__module__, type(compiler).__qualname__),
-                                 torch.get_num_threads(), variants)
+                                 scheduling.kernel_threads(metas), variants)
         self._compiling[request.request_id] = target
         self.worker.submit(request)
 
@@ -877,16 +882,16 @@ class KeyTable:
             entry.state = KeyState.COLD              # hot again at next sight: load or compile
             entry.artifact_path = entry.saved_artifact or entry.artifact_path
 
-    def touch(self, variant: Variant, seconds: float) -> None:
-        """A fused run of ``variant`` took ``seconds``: count it, keep its kernel recently
-        used."""
+    def touch(self, variant: Variant, seconds: float, runs: int = 1) -> None:
+        """``runs`` fused runs of ``variant``, the last of which took ``seconds``: count
+        them, keep its kernel recently used."""
         with self._lock:                  # another thread's install may be evicting
             self.kernels.get(variant.entry.digest)
-            counters.add("cache_hits_memory")
+            counters.add("cache_hits_memory", runs)
             entry = variant.entry
-            entry.fused_runs += 1
+            entry.fused_runs += runs
             entry.add_sample(entry.fused_samples, seconds)
-            self._note(entry, fused_runs=1, fused_ms=entry.fused_ms)
+            self._note(entry, fused_runs=runs, fused_ms=entry.fused_ms)
             self._judge_when_timed(variant)
         self.maybe_flush()
 

@@ -144,3 +144,23 @@ class CompileQueue:
 
     def clear(self) -> None:
         self._waiting.clear()
+
+
+# Note [Serial kernels]
+# Inductor's CPU kernels run an OpenMP parallel region with the program's thread count,
+# whatever their size. Eager's own ops run serially below 32K elements (ATen's grain size),
+# and so should a kernel over tensors that small: a fork-join costs more than the work, and on
+# a busy machine the region waits for a thread the OS gives to someone else (an 8-op chain on
+# 4,096 elements took ~9 ms a run instead of ~5 us with another process on the second core).
+# So a segment whose largest tensor is under SERIAL_BELOW_NUMEL elements is compiled for one
+# thread (the spike of the kernel launch measured the OpenMP kernel winning from ~64K).
+SERIAL_BELOW_NUMEL = 65536
+
+
+def kernel_threads(metas) -> int:
+    """The intra-op threads to compile a segment's kernel for (Note [Serial kernels]);
+    ``metas``: its inputs' and outputs' TensorMetas (or tensors)."""
+    import math
+    import torch
+    largest = max((math.prod(meta.shape) for meta in metas), default=0)
+    return 1 if largest < SERIAL_BELOW_NUMEL else torch.get_num_threads()

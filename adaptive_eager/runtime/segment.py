@@ -182,6 +182,13 @@ class SegmentBuilder:
         self._known[id(tensor)] = (weakref.ref(tensor), ref)
         return ref
 
+    def add_input(self, tensor: torch.Tensor) -> None:
+        """An external input a run deferred elsewhere (the C++ hot path) already numbered:
+        they come in order."""
+        self._new_input(tensor)
+        if tensor.device.type != "cpu" or tensor.dim():   # 0-dim CPU scalars go anywhere
+            self.device = self.device or tensor.device
+
     def encode(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
         """Encode an op's arguments; on failure, forget inputs this call registered.
 

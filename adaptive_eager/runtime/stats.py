@@ -27,6 +27,7 @@ class Stats:
     generic_instances: int = 0      # keys (shapes) served by one of those, without a compile
     fused_executions: int = 0
     fused_ops: int = 0
+    native_fused_executions: int = 0    # of which deferred and launched by the C++ hot path
     per_op_executions: int = 0
     divergences: int = 0
     cache_hits_memory: int = 0

@@ -11,6 +11,7 @@ import threading
 from typing import Any, Callable
 
 from adaptive_eager.dispatch.ops import OpKind
+from adaptive_eager.runtime import native_plans
 from adaptive_eager.runtime.segment import OpRecord, Segment
 
 
@@ -22,6 +23,8 @@ class Variant:
     live_set: frozenset = dataclasses.field(init=False)
     mutates: bool = dataclasses.field(init=False)   # has in-place ops (on inputs, maybe)
     on_probation: bool = True       # its first run is checked (see Note [Probation])
+    native_handle: int | None = None    # registered with the C++ hot path (native_plans)
+    untouched_runs: int = 0             # its C++ launches not yet counted (native_plans)
 
     def __post_init__(self) -> None:
         self.live_set = frozenset(self.segment.live_refs)
@@ -56,6 +59,26 @@ class KernelTrie:
     def root(self, context: tuple) -> TrieNode | None:
         return self._roots.get(context)
 
+    def node_at(self, context: tuple, records) -> TrieNode | None:
+        """The node the calls ``records`` lead to from the root of ``context``, if any."""
+        node = self._roots.get(context)
+        for record in records:
+            if node is None:
+                return None
+            node = node.children.get(record.signature)
+        return node
+
+    def path_ids(self, segment: Segment) -> list[int] | None:
+        """The identities of the nodes along ``segment``'s path (the C++ trie merges equal
+        calls by them; a node lives as long as a kernel needs it)."""
+        node, ids = self._roots.get(segment.context), []
+        for op in segment.ops:
+            node = None if node is None else node.children.get(op.signature)
+            if node is None:
+                return None
+            ids.append(id(node))
+        return ids
+
     def insert(self, segment: Segment, kernel: Callable, entry: Any) -> Variant:
         variant = Variant(segment, kernel, entry)
         with self._lock:
@@ -71,6 +94,7 @@ class KernelTrie:
     def remove(self, variant: Variant) -> None:
         """Stop replaying ``variant``, and drop the trie nodes only it needed (a path to no
         kernel would make the hot path defer ops just to replay them)."""
+        native_plans.forget(variant)
         with self._lock:
             node = self._roots.get(variant.segment.context)
             path = [node]
@@ -89,5 +113,6 @@ class KernelTrie:
                 del parent.children[op.signature]
 
     def clear(self) -> None:
+        native_plans.clear()
         with self._lock:
             self._roots.clear()

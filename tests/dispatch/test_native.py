@@ -139,7 +139,7 @@ def test_a_failed_build_falls_back_to_python_with_one_log_line(tmp_path):
     result = _run(f"""
         import torch
         from adaptive_eager.dispatch import native
-        native.SOURCE = {str(broken)!r}
+        native.SOURCES = ({str(broken)!r},)
         import adaptive_eager as ae
         ae.enable()                                    # starts the build, runs on python
         print("first", ae.stats().backend)
@@ -224,3 +224,24 @@ def test_sparse_outputs_and_no_state_left_for_the_next_runtime(backend):
         got = (x * 2).to_sparse().to_dense() + 1
         assert ae.stats().backend == backend
     assert_equal(got, x * 2 + 1, bitwise=True)
+
+
+def test_modules_and_tensor_subclasses_build_under_the_cpp_backend():
+    """torch turns dispatch modes off around the detach in Tensor._make_subclass (every
+    nn.Parameter) and as_subclass, whose result must have no Python object yet; the C++
+    interception must stay off there too (building any module raised before)."""
+    from adaptive_eager.config import _default_cache_dir
+    result = _run("""
+        import torch
+        from torch import nn
+        import adaptive_eager as ae
+        class Marked(torch.Tensor):
+            pass
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        marked = (torch.ones(3) * 2).as_subclass(Marked)
+        print(ae.stats().backend, type(model[0].weight).__name__, type(marked).__name__,
+              marked.sum().item(), model(torch.ones(2, 4)).shape[0])
+    """, {"NEURON_ADAPTIVE_EAGER": "1", "NEURON_ADAPTIVE_EAGER_BACKEND": "cpp",
+          "NEURON_ADAPTIVE_EAGER_CACHE_DIR": _default_cache_dir()})
+    assert result.returncode == 0, result.stderr
+    assert "cpp Parameter Marked 6.0 2" in result.stdout, result.stdout

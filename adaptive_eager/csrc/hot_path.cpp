@@ -1,0 +1,877 @@
+// Note [The C++ hot path]
+// Deferring the ops of a compiled segment cost ~26 us an op in Python (encode the call, walk
+// the trie, allocate, register outputs), four times a tiny op itself, so fused kernels only
+// paid on large tensors. Here the same walk runs in C++ on the fallback's stack, without the
+// GIL, for segments whose kernel is settled (judged profitable, off probation: Python
+// registers them with plan_add, runtime/native_plans.py). Per op: match the call against the
+// children of the current node (operator, every argument: tensors by where they come from in
+// the segment and by shape, strides, dtype, device and alignment; other values exactly), and
+// leave it deferred as Python's engine does (runtime/engine.py, _defer): views run on the
+// deferred tensors, computing ops return fresh empty tensors, in-place ops return what they
+// write. Python is called once per segment: launch(handle, inputs, buffers, seconds) runs the
+// kernel. Everything else goes back to Python's engine whole, by takeover(segment, depth,
+// inputs, outputs): a run that cannot end fused (other live outputs, aliased inputs, a kernel
+// that failed or was dropped meanwhile) becomes the Python engine's own deferred run, which
+// replays it and records on. So the rare paths have one implementation, in Python.
+//
+// Liveness is Python's (Note [Liveness] in runtime/segment.py): outputs are held weakly, by
+// their TensorImpl and their storage; an output is live while either survives (a view or
+// autograd's shallow copy holds the storage: Note [Shallow copies]).
+#include "hot_path.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <pybind11/complex.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+using c10::DispatchKey;
+using c10::DispatchKeySet;
+using c10::IValue;
+
+namespace adaptive_eager {
+namespace {
+
+constexpr DispatchKey kKey = DispatchKey::Fake;
+const DispatchKeySet kBelow(DispatchKeySet::FULL_AFTER, kKey);
+const DispatchKeySet kHidden =
+    c10::autograd_dispatch_keyset_with_ADInplaceOrView | DispatchKeySet(kKey);
+constexpr int64_t kAlignmentBytes = 16;
+
+enum class Kind : int8_t { Fusible = 0, View = 1, Mutating = 2 };
+
+struct Ref {
+  int32_t op;      // -1: the segment's external input `index`
+  int32_t index;   // else output `index` of op `op`
+  bool operator==(const Ref& other) const { return op == other.op && index == other.index; }
+  bool operator<(const Ref& other) const {
+    return op < other.op || (op == other.op && index < other.index);
+  }
+};
+
+struct Meta {
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype;
+  c10::Device device{c10::kCPU};
+  at::TensorOptions options() const { return at::TensorOptions().dtype(dtype).device(device); }
+};
+
+struct TensorSpec {
+  Ref ref;
+  Meta meta;
+  bool aligned;
+};
+
+struct ArgSpec {
+  // WrappedNumber: a Python number passed for a Tensor argument (a 0-dim CPU tensor marked
+  // as such, which Python's engine sees and keys as the number: 2.0 in x * 2.0).
+  enum Type : int8_t { Value, Tensor, TensorList, WrappedNumber } type;
+  IValue value;               // Value (the schema default where omitted), WrappedNumber
+  std::vector<std::optional<TensorSpec>> tensors;  // Tensor: one; TensorList: each (None)
+};
+
+struct OpSpec {
+  int64_t node_id;                 // Python's trie node: equal ids, equal calls
+  c10::OperatorHandle op;
+  Kind kind;
+  std::vector<ArgSpec> args;       // one per schema argument
+  std::vector<Meta> outs;          // Fusible: its flat outputs
+  bool list_return = false;        // Fusible: returns one Tensor[]
+  std::vector<int> returned_args;  // Mutating: the schema argument each return is
+  std::vector<int> written_lists;  // foreach in-place: lists whose versions eager bumps
+};
+
+struct Context {
+  c10::ScalarType default_dtype;
+  bool grad, inference, autocast_cpu, autocast_cuda, deterministic;
+  c10::ScalarType autocast_cpu_dtype;
+  bool operator==(const Context& o) const {
+    return default_dtype == o.default_dtype && grad == o.grad && inference == o.inference &&
+           autocast_cpu == o.autocast_cpu && autocast_cuda == o.autocast_cuda &&
+           deterministic == o.deterministic && autocast_cpu_dtype == o.autocast_cpu_dtype;
+  }
+};
+
+Context current_context() {
+  return Context{c10::get_default_dtype_as_scalartype(),
+                 c10::GradMode::is_enabled(),
+                 c10::InferenceMode::is_enabled(),
+                 at::autocast::is_autocast_enabled(at::kCPU),
+                 at::autocast::is_autocast_enabled(at::kCUDA),
+                 at::globalContext().deterministicAlgorithms(),
+                 at::autocast::get_autocast_dtype(at::kCPU)};
+}
+
+// A Python object that may be released on any thread (the GIL taken), or leaked at exit.
+struct PyRef {
+  PyObject* obj = nullptr;
+  explicit PyRef(py::handle h) : obj(h.inc_ref().ptr()) {}
+  PyRef(const PyRef&) = delete;
+  ~PyRef() {
+    if (obj != nullptr && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      Py_DECREF(obj);
+    }
+  }
+};
+
+// One registered kernel: the path of calls to it and what it writes.
+struct Plan {
+  int64_t handle;
+  Context context;
+  std::vector<OpSpec> ops;
+  std::vector<Ref> live;            // the outputs the kernel writes, in its buffers' order
+  std::vector<Ref> final_results;   // Note [Results thrown away] (runtime/segment.py)
+  bool mutates;
+  std::shared_ptr<PyRef> segment;   // Python's Segment, for takeover
+};
+
+struct Node {
+  const OpSpec* spec = nullptr;     // the call that leads here (root: none)
+  std::vector<std::unique_ptr<Node>> children;
+  std::vector<const Plan*> plans;   // kernels ending here
+  const Plan* any_plan = nullptr;   // a plan through here (its path is this node's)
+  int depth = 0;
+};
+
+struct Trie {
+  std::vector<std::shared_ptr<const Plan>> plans;
+  std::vector<std::pair<Context, std::unique_ptr<Node>>> roots;
+};
+
+std::mutex g_trie_mutex;
+std::shared_ptr<const Trie> g_trie;            // replaced whole on every change
+std::atomic<uint64_t> g_generation{0};
+std::map<int64_t, std::shared_ptr<const Plan>> g_plans;   // under g_trie_mutex
+std::atomic<int64_t> g_ops_deferred{0}, g_fused_runs{0}, g_fused_ops{0}, g_takeovers{0};
+PyObject* g_launch = nullptr;                   // launch(handle, inputs, buffers, seconds)
+PyObject* g_takeover = nullptr;                 // takeover(segment, depth, inputs, outputs)
+PyObject* g_retry = nullptr;                    // on_op's answer: a segment just ended here
+// Storages of tensors that share a numpy array's memory (Note [Outside memory]): by address.
+std::mutex g_outside_mutex;
+std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> g_outside;
+std::atomic<bool> g_any_outside{false};
+std::atomic<bool> g_off{false};                 // a forked child: Python's engine only
+
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl>;
+using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
+
+struct Output {                     // a computing op's output, held weakly (Note [Liveness])
+  Ref ref;
+  WeakImpl impl;
+  WeakStorage storage;
+  bool pooled;                      // its storage is the pool's (which holds one reference)
+};
+
+// The memory of large deferred outputs, reused once nothing but the pool refers to it, as
+// runtime/buffers.py does for Python's hot path (page faults of fresh memory cost as much
+// as a kernel). Per thread, CPU only; up to g_pool_limit bytes.
+constexpr int64_t kMinPooledBytes = 1 << 20;
+constexpr size_t kMaxPerSize = 4;
+std::atomic<int64_t> g_pool_limit{0};
+struct Pool {
+  std::map<int64_t, std::vector<c10::Storage>> slots;   // by size in bytes
+  int64_t held = 0;
+};
+thread_local Pool t_pool;
+
+int64_t storage_bytes(const Meta& meta) {
+  int64_t span = 1;
+  for (size_t i = 0; i < meta.sizes.size(); ++i) {
+    if (meta.sizes[i] == 0) return 0;
+    span += (meta.sizes[i] - 1) * meta.strides[i];
+  }
+  return span * static_cast<int64_t>(c10::elementSize(meta.dtype));
+}
+
+// An uninitialized tensor like `meta`; `pooled` says whether its storage is the pool's.
+at::Tensor empty_like_meta(const Meta& meta, bool& pooled) {
+  pooled = false;
+  int64_t nbytes = storage_bytes(meta);
+  if (nbytes < kMinPooledBytes || !meta.device.is_cpu() ||
+      g_pool_limit.load(std::memory_order_relaxed) <= 0)
+    return at::empty_strided(meta.sizes, meta.strides, meta.options());
+  auto& slots = t_pool.slots[nbytes];
+  for (const c10::Storage& storage : slots) {
+    if (storage.use_count() == 1) {
+      pooled = true;
+      at::AutoDispatchBelowADInplaceOrView below;     // a fresh tensor: version 0
+      return at::empty({0}, meta.options()).set_(storage, 0, meta.sizes, meta.strides);
+    }
+  }
+  at::Tensor fresh = at::empty_strided(meta.sizes, meta.strides, meta.options());
+  if (slots.size() < kMaxPerSize && t_pool.held + nbytes <= g_pool_limit.load()) {
+    slots.push_back(fresh.storage());
+    t_pool.held += nbytes;
+    pooled = true;
+  }
+  return fresh;
+}
+
+struct Layout {
+  int64_t offset;
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype;
+  bool operator==(const Layout& o) const {
+    return offset == o.offset && sizes == o.sizes && strides == o.strides && dtype == o.dtype;
+  }
+};
+
+Layout layout_of(const at::Tensor& t) {
+  return Layout{t.storage_offset(), t.sizes().vec(), t.strides().vec(), t.scalar_type()};
+}
+
+struct Run {
+  std::shared_ptr<const Trie> trie;   // the snapshot the run walks (plans stay alive)
+  const Node* node = nullptr;
+  std::vector<at::Tensor> inputs;
+  std::unordered_map<const c10::TensorImpl*, Ref> known;   // valid: weakly held below
+  std::vector<std::vector<WeakImpl>> outputs;              // per op, flat (takeover)
+  std::vector<Output> computed;                            // what kernels write
+  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<Layout, Ref>>> layouts;
+  std::chrono::steady_clock::time_point started;
+
+  void clear() {
+    trie.reset();
+    node = nullptr;
+    inputs.clear();
+    known.clear();
+    outputs.clear();
+    computed.clear();
+    layouts.clear();
+  }
+};
+
+thread_local Run t_run;
+thread_local bool t_open = false;       // Python's engine has a segment open on this thread
+thread_local bool t_hot = false;        // this thread's runtime runs on C++ (not a thread
+                                        // that only inherited the key, e.g. autograd's)
+thread_local uint64_t t_generation = ~uint64_t{0};
+thread_local std::shared_ptr<const Trie> t_trie;
+
+// ------------------------------------------------------------------ matching
+
+bool same_value(const IValue& spec, const IValue& actual) {
+  if (spec.isNone()) return actual.isNone();
+  if (spec.isBool()) return actual.isBool() && spec.toBool() == actual.toBool();
+  if (spec.isInt()) {
+    if (actual.isInt()) return spec.toInt() == actual.toInt();
+    if (actual.isSymInt()) return actual.toSymInt().maybe_as_int() == spec.toInt();
+    return false;
+  }
+  if (spec.isDouble()) {       // bitwise: -0.0 and 0.0 compute differently
+    if (!actual.isDouble()) return false;
+    double a = spec.toDouble(), b = actual.toDouble();
+    return std::memcmp(&a, &b, sizeof a) == 0;
+  }
+  if (spec.isComplexDouble())
+    return actual.isComplexDouble() && spec.toComplexDouble() == actual.toComplexDouble();
+  if (spec.isString()) return actual.isString() && spec.toStringRef() == actual.toStringRef();
+  if (spec.isDevice()) return actual.isDevice() && spec.toDevice() == actual.toDevice();
+  if (spec.isList()) {
+    if (!actual.isList()) return false;
+    auto a = spec.toListRef(), b = actual.toListRef();
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i)
+      if (!same_value(a[i], b[i])) return false;
+    return true;
+  }
+  return false;
+}
+
+bool same_number(const IValue& spec, const at::Tensor& t) {
+  if (!t.defined() || !t.unsafeGetTensorImpl()->is_wrapped_number() || !t.is_cpu()) return false;
+  switch (t.scalar_type()) {    // read in place: an item() op would come back here
+    case c10::kDouble: return same_value(spec, IValue(*t.const_data_ptr<double>()));
+    case c10::kLong: return same_value(spec, IValue(*t.const_data_ptr<int64_t>()));
+    case c10::kBool: return same_value(spec, IValue(*t.const_data_ptr<bool>()));
+    case c10::kComplexDouble:
+      return same_value(spec, IValue(*t.const_data_ptr<c10::complex<double>>()));
+    default: return false;
+  }
+}
+
+bool supported_value(const IValue& v) {
+  if (v.isNone() || v.isBool() || v.isInt() || v.isDouble() || v.isComplexDouble() ||
+      v.isString() || v.isDevice())
+    return true;
+  if (v.isList()) {
+    for (const auto& item : v.toListRef())
+      if (!supported_value(item)) return false;
+    return true;
+  }
+  return false;
+}
+
+bool shares_outside_memory(const at::Tensor& t) {
+  if (!g_any_outside.load(std::memory_order_relaxed) || !t.has_storage()) return false;
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  std::lock_guard<std::mutex> lock(g_outside_mutex);
+  for (const auto& weak : g_outside)
+    if (!weak.expired() && weak._unsafe_get_target() == storage) return true;
+  return false;
+}
+
+// A call's new external inputs, committed only when the whole call matched.
+using Pending = std::vector<at::Tensor>;
+
+std::optional<Ref> ref_of(Run& run, const at::Tensor& t, const Pending& pending) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  auto found = run.known.find(impl);
+  if (found != run.known.end()) return found->second;
+  for (size_t i = 0; i < pending.size(); ++i)
+    if (pending[i].unsafeGetTensorImpl() == impl)
+      return Ref{-1, static_cast<int32_t>(run.inputs.size() + i)};
+  if (t.has_storage()) {      // Note [Shallow copies]: an unseen alias of an output
+    auto entry = run.layouts.find(t.storage().unsafeGetStorageImpl());
+    if (entry != run.layouts.end()) {
+      Layout layout = layout_of(t);
+      for (const auto& [known_layout, ref] : entry->second)
+        if (known_layout == layout) return ref;
+      return std::nullopt;    // other memory of an output, made by no op: cannot follow
+    }
+  }
+  return Ref{-2, 0};          // new
+}
+
+bool tensor_matches(Run& run, const TensorSpec& spec, const at::Tensor& t, Pending& pending) {
+  if (!t.defined() || t.layout() != c10::kStrided || t.is_quantized() ||
+      t.unsafeGetTensorImpl()->is_python_dispatch())
+    return false;
+  if (t.scalar_type() != spec.meta.dtype || t.device() != spec.meta.device ||
+      t.sizes() != c10::IntArrayRef(spec.meta.sizes) ||
+      t.strides() != c10::IntArrayRef(spec.meta.strides))
+    return false;
+  int64_t offset = t.storage_offset();
+  bool aligned = offset == 0 || (offset * static_cast<int64_t>(t.element_size())) %
+                                        kAlignmentBytes == 0;
+  if (aligned != spec.aligned) return false;
+  auto ref = ref_of(run, t, pending);
+  if (!ref) return false;
+  if (ref->op == -2) {        // a new external input: the next number, plain memory
+    Ref next{-1, static_cast<int32_t>(run.inputs.size() + pending.size())};
+    if (!(next == spec.ref) || shares_outside_memory(t)) return false;
+    pending.push_back(t);
+    return true;
+  }
+  return *ref == spec.ref;
+}
+
+bool call_matches(Run& run, const OpSpec& spec, const c10::OperatorHandle& op,
+                  torch::jit::Stack* stack, Pending& pending) {
+  if (!(spec.op == op)) return false;
+  auto args = torch::jit::last(*stack, spec.args.size());
+  for (size_t i = 0; i < spec.args.size(); ++i) {
+    const ArgSpec& arg = spec.args[i];
+    const IValue& value = args[i];
+    switch (arg.type) {
+      case ArgSpec::Value:
+        if (!same_value(arg.value, value)) return false;
+        break;
+      case ArgSpec::Tensor:
+        if (!value.isTensor() || !tensor_matches(run, *arg.tensors[0], value.toTensor(), pending))
+          return false;
+        break;
+      case ArgSpec::WrappedNumber:
+        if (!value.isTensor() || !same_number(arg.value, value.toTensor())) return false;
+        break;
+      case ArgSpec::TensorList: {
+        if (!value.isList()) return false;
+        auto items = value.toListRef();
+        if (items.size() != arg.tensors.size()) return false;
+        for (size_t k = 0; k < items.size(); ++k) {
+          const auto& item_spec = arg.tensors[k];
+          if (!item_spec) {
+            if (!items[k].isNone()) return false;
+          } else if (!items[k].isTensor() ||
+                     !tensor_matches(run, *item_spec, items[k].toTensor(), pending)) {
+            return false;
+          }
+        }
+        break;
+      }
+    }
+  }
+  return true;
+}
+
+// ------------------------------------------------------------------ deferring
+
+void remember_output(Run& run, const at::Tensor& t, Ref ref, bool computed, bool pooled) {
+  run.known[t.unsafeGetTensorImpl()] = ref;
+  run.outputs.back().emplace_back(t.getIntrusivePtr());
+  if (!t.has_storage()) return;
+  WeakStorage storage = t.storage().getWeakStorageImpl();
+  run.layouts[t.storage().unsafeGetStorageImpl()].emplace_back(layout_of(t), ref);
+  if (computed)
+    run.computed.push_back(Output{ref, WeakImpl(t.getIntrusivePtr()), storage, pooled});
+}
+
+void defer(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKeySet ks,
+           torch::jit::Stack* stack, Pending& pending) {
+  for (auto& t : pending) {
+    run.known[t.unsafeGetTensorImpl()] = Ref{-1, static_cast<int32_t>(run.inputs.size())};
+    run.inputs.push_back(std::move(t));
+  }
+  const OpSpec& spec = *node.spec;
+  const int32_t index = node.depth - 1;
+  run.outputs.emplace_back();
+  c10::impl::ExcludeDispatchKeyGuard guard(kKey);
+  if (spec.kind == Kind::View) {          // metadata only: safe on unfilled buffers
+    op.redispatchBoxed(ks & kBelow, stack);
+    auto returns = torch::jit::last(*stack, op.schema().returns().size());
+    int32_t k = 0;
+    for (const IValue& value : returns) {
+      if (value.isTensor()) {
+        remember_output(run, value.toTensor(), Ref{index, k++}, false, false);
+      } else if (value.isTensorList()) {
+        for (const at::Tensor& t : value.toTensorVector())
+          remember_output(run, t, Ref{index, k++}, false, false);
+      }
+    }
+  } else if (spec.kind == Kind::Fusible) {
+    torch::jit::drop(*stack, spec.args.size());
+    std::vector<at::Tensor> outs;
+    outs.reserve(spec.outs.size());
+    for (size_t k = 0; k < spec.outs.size(); ++k) {
+      bool pooled;
+      outs.push_back(empty_like_meta(spec.outs[k], pooled));
+      remember_output(run, outs.back(), Ref{index, static_cast<int32_t>(k)}, true, pooled);
+    }
+    if (spec.list_return) {
+      stack->emplace_back(c10::List<at::Tensor>(outs));
+    } else {
+      for (auto& t : outs) stack->emplace_back(std::move(t));
+    }
+  } else {                                // Mutating: returns what it writes
+    auto args = torch::jit::last(*stack, spec.args.size());
+    for (int position : spec.written_lists)
+      for (const at::Tensor& t : args[position].toTensorVector())
+        if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+    std::vector<IValue> returns;
+    for (int position : spec.returned_args) returns.push_back(args[position]);
+    torch::jit::drop(*stack, spec.args.size());
+    for (auto& value : returns) stack->push_back(std::move(value));
+  }
+  run.node = &node;
+  g_ops_deferred.fetch_add(1, std::memory_order_relaxed);
+}
+
+bool advance(Run& run, const c10::OperatorHandle& op, DispatchKeySet ks,
+             torch::jit::Stack* stack) {
+  Pending pending;
+  for (const auto& child : run.node->children) {
+    pending.clear();
+    if (call_matches(run, *child->spec, op, stack, pending)) {
+      defer(run, *child, op, ks, stack, pending);
+      return true;
+    }
+  }
+  return false;
+}
+
+// ------------------------------------------------------------------ ending a run
+
+const Meta& meta_of(const Plan& plan, Ref ref) { return plan.ops[ref.op].outs[ref.index]; }
+
+// The tensor a kernel writes `ref` into: the output itself, the whole output rebuilt on the
+// storage a view or shallow copy keeps, or (dead, but in the kernel's live set) a fresh one.
+// Is something else than the pool holding the storage of a dead output (a view, autograd's
+// shallow copy)?
+bool held_elsewhere(const Output& out) {
+  auto storage = out.storage.lock();
+  return storage && storage.use_count() > (out.pooled ? 2u : 1u);   // (the pool's, this lock)
+}
+
+at::Tensor buffer_for(const Run& run, const Plan& plan, Ref ref) {
+  for (const Output& out : run.computed) {
+    if (!(out.ref == ref)) continue;
+    if (auto impl = out.impl.lock()) return at::Tensor(std::move(impl));
+    if (held_elsewhere(out)) {
+      auto storage = out.storage.lock();
+      const Meta& meta = meta_of(plan, ref);
+      return at::empty({0}, meta.options())
+          .set_(c10::Storage(std::move(storage)), 0, meta.sizes, meta.strides);
+    }
+    break;
+  }
+  bool pooled;
+  return empty_like_meta(meta_of(plan, ref), pooled);
+}
+
+std::vector<Ref> live_refs(const Run& run) {
+  std::vector<Ref> live;
+  for (const Output& out : run.computed)
+    if (!out.impl.expired() || held_elsewhere(out)) live.push_back(out.ref);
+  const auto& ending = run.node->plans;          // their path is the run's
+  if (live.empty() && !ending.empty() && !ending.front()->mutates)
+    live = ending.front()->final_results;
+  std::sort(live.begin(), live.end());
+  return live;
+}
+
+const Plan* plan_for(const Node& node, const std::vector<Ref>& live) {
+  const Plan* superset = nullptr;
+  for (const Plan* plan : node.plans) {
+    std::vector<Ref> writes(plan->live.begin(), plan->live.end());
+    std::sort(writes.begin(), writes.end());
+    if (writes == live) return plan;
+    if (!superset && std::includes(writes.begin(), writes.end(), live.begin(), live.end()))
+      superset = plan;
+  }
+  return superset;
+}
+
+bool inputs_share_memory(const std::vector<at::Tensor>& inputs) {
+  bool any_view = false;
+  for (const auto& t : inputs) any_view = any_view || t.is_view();
+  if (!any_view) return false;
+  std::vector<const void*> storages;
+  for (const auto& t : inputs) storages.push_back(t.storage().unsafeGetStorageImpl());
+  std::sort(storages.begin(), storages.end());
+  return std::adjacent_find(storages.begin(), storages.end()) != storages.end();
+}
+
+py::list tensor_list(const std::vector<at::Tensor>& tensors) {
+  py::list list(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i)
+    list[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(tensors[i]));
+  return list;
+}
+
+// Versions as eager left them (runtime/engine.py, _run_kernel).
+struct KeepVersions {
+  std::vector<std::pair<at::Tensor, uint32_t>> saved;
+  explicit KeepVersions(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+    for (const auto* list : {&a, &b})
+      for (const auto& t : *list)
+        if (!t.is_inference()) saved.emplace_back(t, t.unsafeGetTensorImpl()->version_counter()
+                                                         .current_version());
+  }
+  ~KeepVersions() {
+    for (auto& [t, version] : saved) {
+      c10::VariableVersion counter = t.unsafeGetTensorImpl()->version_counter();   // shared
+      if (counter.current_version() != version) counter.set_version(version);
+    }
+  }
+};
+
+bool launch(Run& run, const Plan& plan) {
+  std::vector<at::Tensor> buffers;
+  buffers.reserve(plan.live.size());
+  for (Ref ref : plan.live) buffers.push_back(buffer_for(run, plan, ref));
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                 run.started).count();
+  KeepVersions versions(run.inputs, buffers);
+  py::gil_scoped_acquire gil;
+  py::object inputs = tensor_list(run.inputs), outs = tensor_list(buffers);
+  PyObject* result = PyObject_CallFunction(g_launch, "LOOd", static_cast<long long>(plan.handle),
+                                           inputs.ptr(), outs.ptr(), seconds);
+  if (result == nullptr) throw py::error_already_set();
+  bool ran = PyObject_IsTrue(result) == 1;
+  Py_DECREF(result);
+  return ran;
+}
+
+// Hand the run to Python's engine (see the Note): it replays or finishes it.
+void take_over(Run& run) {
+  g_takeovers.fetch_add(1, std::memory_order_relaxed);
+  const Node& node = *run.node;
+  std::shared_ptr<const Trie> keep = run.trie;     // the plan (and its segment) stay alive
+  py::gil_scoped_acquire gil;
+  py::object inputs = tensor_list(run.inputs);
+  py::list outputs(run.outputs.size());
+  for (size_t i = 0; i < run.outputs.size(); ++i) {
+    py::list flat(run.outputs[i].size());
+    for (size_t k = 0; k < run.outputs[i].size(); ++k) {
+      auto impl = run.outputs[i][k].lock();
+      flat[k] = impl ? py::reinterpret_steal<py::object>(THPVariable_Wrap(at::Tensor(
+                           std::move(impl))))
+                     : py::none();
+    }
+    outputs[i] = flat;
+  }
+  run.clear();                 // Python alone holds them now: its weakrefs judge liveness
+  PyObject* result = PyObject_CallFunction(g_takeover, "OiOO", node.any_plan->segment->obj,
+                                           node.depth, inputs.ptr(), outputs.ptr());
+  if (result == nullptr) throw py::error_already_set();
+  Py_DECREF(result);
+}
+
+void end_run(Run& current) {
+  if (current.node == nullptr) return;
+  // Moved out first: a flush that the kernel's own Python code sets off (an escape such as
+  // data_ptr) finds nothing deferred instead of ending this run twice.
+  Run run = std::move(current);
+  current.clear();
+  c10::impl::ExcludeDispatchKeyGuard guard(kHidden);
+  if (run.node->depth == 0) return;
+  const Plan* plan = plan_for(*run.node, live_refs(run));
+  if (plan != nullptr && !(plan->mutates && inputs_share_memory(run.inputs)) &&
+      launch(run, *plan)) {
+    g_fused_runs.fetch_add(1, std::memory_order_relaxed);
+    g_fused_ops.fetch_add(run.node->depth, std::memory_order_relaxed);
+    return;
+  }
+  take_over(run);
+}
+
+// ------------------------------------------------------------------ the trie
+
+const Node* root_for(const Trie& trie, const Context& context) {
+  for (const auto& [root_context, root] : trie.roots)
+    if (root_context == context) return root.get();
+  return nullptr;
+}
+
+std::shared_ptr<const Trie> build_trie() {     // under g_trie_mutex
+  auto trie = std::make_shared<Trie>();
+  for (const auto& [handle, plan] : g_plans) {
+    trie->plans.push_back(plan);
+    Node* node = nullptr;
+    for (auto& [context, root] : trie->roots)
+      if (context == plan->context) node = root.get();
+    if (node == nullptr) {
+      trie->roots.emplace_back(plan->context, std::make_unique<Node>());
+      node = trie->roots.back().second.get();
+    }
+    node->any_plan = node->any_plan ? node->any_plan : plan.get();
+    for (const OpSpec& spec : plan->ops) {
+      Node* next = nullptr;
+      for (auto& child : node->children)
+        if (child->spec->node_id == spec.node_id) next = child.get();
+      if (next == nullptr) {
+        node->children.push_back(std::make_unique<Node>());
+        next = node->children.back().get();
+        next->spec = &spec;
+        next->depth = node->depth + 1;
+        next->any_plan = plan.get();
+      }
+      node = next;
+    }
+    node->plans.push_back(plan.get());
+  }
+  return trie;
+}
+
+void publish() {                               // under g_trie_mutex
+  std::shared_ptr<const Trie> trie = g_plans.empty() ? nullptr : build_trie();
+  g_trie = std::move(trie);
+  g_generation.fetch_add(1, std::memory_order_release);
+}
+
+const std::shared_ptr<const Trie>& current_trie() {
+  uint64_t generation = g_generation.load(std::memory_order_acquire);
+  if (generation != t_generation) {
+    std::lock_guard<std::mutex> lock(g_trie_mutex);
+    t_trie = g_trie;
+    t_generation = g_generation.load(std::memory_order_relaxed);
+  }
+  return t_trie;
+}
+
+// ------------------------------------------------------------------ registration
+
+Meta meta_from(const py::tuple& t) {      // (sizes, strides, dtype, device)
+  Meta meta;
+  meta.sizes = t[0].cast<std::vector<int64_t>>();
+  meta.strides = t[1].cast<std::vector<int64_t>>();
+  meta.dtype = reinterpret_cast<THPDtype*>(t[2].ptr())->scalar_type;
+  meta.device = c10::Device(t[3].cast<std::string>());
+  return meta;
+}
+
+TensorSpec tensor_spec_from(const py::tuple& t) {   // (op, index, sizes, strides, dtype, device, aligned)
+  TensorSpec spec;
+  spec.ref = Ref{t[0].cast<int32_t>(), t[1].cast<int32_t>()};
+  spec.meta = meta_from(py::make_tuple(t[2], t[3], t[4], t[5]));
+  spec.aligned = t[6].cast<bool>();
+  return spec;
+}
+
+ArgSpec arg_spec_from(const c10::Argument& argument, const py::tuple& t) {
+  ArgSpec spec;
+  std::string type = t[0].cast<std::string>();
+  if (type == "d") {                   // omitted: the schema's default
+    TORCH_CHECK(argument.default_value().has_value(), "no default for ", argument.name());
+    spec.type = ArgSpec::Value;
+    spec.value = *argument.default_value();
+  } else if (type == "v") {
+    spec.type = ArgSpec::Value;
+    spec.value = torch::jit::toIValue(t[1], argument.real_type());
+  } else if (type == "w") {         // ("w", number, kind): b, i, f or c
+    spec.type = ArgSpec::WrappedNumber;
+    auto kind = t[2].cast<std::string>();
+    if (kind == "b") spec.value = IValue(t[1].cast<bool>());
+    else if (kind == "i") spec.value = IValue(t[1].cast<int64_t>());
+    else if (kind == "f") spec.value = IValue(t[1].cast<double>());
+    else spec.value = IValue(c10::complex<double>(t[1].cast<std::complex<double>>()));
+  } else if (type == "t") {
+    spec.type = ArgSpec::Tensor;
+    spec.tensors.emplace_back(tensor_spec_from(t[1].cast<py::tuple>()));
+  } else {
+    TORCH_CHECK(type == "l", "unknown argument spec ", type);
+    spec.type = ArgSpec::TensorList;
+    for (auto item : t[1].cast<py::list>()) {
+      if (item.is_none()) spec.tensors.emplace_back(std::nullopt);
+      else spec.tensors.emplace_back(tensor_spec_from(item.cast<py::tuple>()));
+    }
+  }
+  TORCH_CHECK(spec.type == ArgSpec::Tensor || spec.type == ArgSpec::TensorList ||
+                  supported_value(spec.value),
+              "unsupported value for ", argument.name());
+  return spec;
+}
+
+// (node_id, name, overload, kind, args, outs, list_return, returned_args, written_lists)
+OpSpec op_spec_from(const py::tuple& t) {
+  auto name = t[1].cast<std::string>(), overload = t[2].cast<std::string>();
+  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+  OpSpec spec{t[0].cast<int64_t>(), handle, static_cast<Kind>(t[3].cast<int>())};
+  const auto& arguments = handle.schema().arguments();
+  auto args = t[4].cast<py::list>();
+  TORCH_CHECK(args.size() == arguments.size(), "one spec per schema argument");
+  for (size_t i = 0; i < arguments.size(); ++i)
+    spec.args.push_back(arg_spec_from(arguments[i], args[i].cast<py::tuple>()));
+  for (auto out : t[5].cast<py::list>()) spec.outs.push_back(meta_from(out.cast<py::tuple>()));
+  spec.list_return = t[6].cast<bool>();
+  spec.returned_args = t[7].cast<std::vector<int>>();
+  spec.written_lists = t[8].cast<std::vector<int>>();
+  return spec;
+}
+
+Context context_from(const py::tuple& t) {
+  auto dtype = [](py::handle h) { return reinterpret_cast<THPDtype*>(h.ptr())->scalar_type; };
+  return Context{dtype(t[0]), t[1].cast<bool>(), t[2].cast<bool>(), t[3].cast<bool>(),
+                 t[5].cast<bool>(), t[6].cast<bool>(), dtype(t[4])};
+}
+
+std::vector<Ref> refs_from(const py::list& list) {
+  std::vector<Ref> refs;
+  for (auto item : list) {
+    auto pair = item.cast<py::tuple>();
+    refs.push_back(Ref{pair[0].cast<int32_t>(), pair[1].cast<int32_t>()});
+  }
+  return refs;
+}
+
+// "" when registered; else why the plan stays with Python's hot path.
+std::string plan_add(int64_t handle, py::object segment, py::tuple context, py::list ops,
+                     py::list live, py::list final_results, bool mutates) {
+  auto plan = std::make_shared<Plan>();
+  try {
+    plan->handle = handle;
+    plan->context = context_from(context);
+    for (auto op : ops) plan->ops.push_back(op_spec_from(op.cast<py::tuple>()));
+    plan->live = refs_from(live);
+    plan->final_results = refs_from(final_results);
+    plan->mutates = mutates;
+    plan->segment = std::make_shared<PyRef>(segment);
+  } catch (const std::exception& err) {
+    std::string message = err.what();
+    return message.substr(0, message.find('\n'));
+  }
+  TORCH_CHECK(!plan->ops.empty(), "a plan needs ops");
+  py::gil_scoped_release no_gil;       // other threads' current_trie() take the mutex
+  std::lock_guard<std::mutex> lock(g_trie_mutex);
+  g_plans[handle] = std::move(plan);
+  publish();
+  return "";
+}
+
+}  // namespace
+
+bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
+  if (!t_hot || g_off.load(std::memory_order_relaxed)) return false;
+  Run& run = t_run;
+  if (run.node != nullptr) {
+    if (advance(run, op, ks, stack)) return true;
+    end_run(run);                  // fused, or Python's now (which may open its segment)
+  }
+  if (t_open) return false;
+  const auto& trie = current_trie();
+  if (!trie) return false;
+  const Node* root = root_for(*trie, current_context());
+  if (root == nullptr) return false;
+  run.trie = trie;
+  run.node = root;
+  run.started = std::chrono::steady_clock::now();
+  if (advance(run, op, ks, stack)) return true;
+  run.clear();
+  return false;
+}
+
+bool is_retry(PyObject* answer) { return answer == g_retry && answer != nullptr; }
+
+void define_hot_path(py::module& m) {
+  m.def("plan_add", &plan_add, "Register a settled kernel's path; '' or why not.");
+  m.def("plan_remove", [](int64_t handle) {
+    py::gil_scoped_release no_gil;
+    std::lock_guard<std::mutex> lock(g_trie_mutex);
+    if (g_plans.erase(handle)) publish();
+  });
+  m.def("plan_clear", [] {
+    py::gil_scoped_release no_gil;
+    std::lock_guard<std::mutex> lock(g_trie_mutex);
+    g_plans.clear();
+    publish();
+  });
+  m.def("set_hot_callbacks", [](py::object launch, py::object takeover, py::object retry) {
+    Py_XDECREF(g_launch);
+    Py_XDECREF(g_takeover);
+    Py_XDECREF(g_retry);
+    g_launch = launch.inc_ref().ptr();
+    g_takeover = takeover.inc_ref().ptr();
+    g_retry = retry.inc_ref().ptr();
+  });
+  m.def("hot_path_off", [] { g_off = true; },
+        "For good, in this process (a forked child: no lock is taken, another thread of the "
+        "parent may have held it).");
+  m.def("set_pool_limit", [](int64_t bytes) { g_pool_limit = bytes; },
+        "Bytes of large deferred outputs each thread may keep to reuse (BUFFER_POOL_MB).");
+  m.def("pool_clear", [] {
+    t_pool.slots.clear();
+    t_pool.held = 0;
+  }, "Give back this thread's pooled memory.");
+  m.def("set_hot_thread", [](bool on) {
+    bool previous = t_hot;
+    t_hot = on;
+    return previous;
+  }, "Does this thread's runtime run on the C++ hot path? Returns the previous state.");
+  m.def("set_open", [](bool open) { t_open = open; },
+        "Does Python's engine have a segment open on this thread (no new run starts)?");
+  m.def("run_pending", [] { return t_run.node != nullptr; });
+  m.def("end_run", [] { end_run(t_run); }, "End this thread's deferred run (fused or Python's).");
+  m.def("note_outside", [](py::object tensor) {
+    const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
+    if (!t.has_storage()) return;
+    std::lock_guard<std::mutex> lock(g_outside_mutex);
+    g_outside.erase(std::remove_if(g_outside.begin(), g_outside.end(),
+                                   [](const WeakStorage& w) { return w.expired(); }),
+                    g_outside.end());
+    g_outside.push_back(t.storage().getWeakStorageImpl());
+    g_any_outside = true;
+  }, "A tensor sharing outside memory (Note [Outside memory]): never a deferred input.");
+  m.def("take_counts", [] {
+    return py::make_tuple(g_ops_deferred.exchange(0), g_fused_runs.exchange(0),
+                          g_fused_ops.exchange(0), g_takeovers.exchange(0));
+  }, "(ops deferred, fused runs, fused ops, takeovers) since the last call.");
+}
+
+}  // namespace adaptive_eager

@@ -1,0 +1,21 @@
+// The hot path in C++ (Note [The C++ hot path] in hot_path.cpp).
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace adaptive_eager {
+
+// An op of an intercepting, unpaused thread. True: deferred here, its outputs are on the
+// stack; false: Python must see it (any deferred run has been ended first).
+bool hot_path_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+// Is Python's answer to an op "a segment just ended at it: try your hot path, then ask me
+// again" (the stack is untouched)?
+bool is_retry(PyObject* answer);
+
+// The module functions that register compiled segments and end runs from Python.
+void define_hot_path(pybind11::module& m);
+
+}  // namespace adaptive_eager

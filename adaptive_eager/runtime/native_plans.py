@@ -1,0 +1,283 @@
+"""Which kernels the C++ extension defers and launches itself (Note [The C++ hot path] in
+csrc/hot_path.cpp), and the two calls it makes back: ``launch`` at a fused segment's end and
+``takeover`` for every run it cannot end fused.
+
+A kernel is offered once its first fused run passed probation, unless VERIFY is on (its
+per-run check is Python's). Its
+segment goes to C++ as plain data: per op the operator, one spec per schema argument (a tensor
+by where it comes from and its layout, other values exactly, omitted ones as the schema's
+default) and what it returns; a segment whose calls C++ cannot compare stays on Python's hot
+path (``refused``, counted once per kernel in the decision log at debug level).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+
+import torch
+
+from adaptive_eager.config import config
+from adaptive_eager.dispatch import interceptor as interceptors
+from adaptive_eager.dispatch import native
+from adaptive_eager.dispatch.ops import OpKind
+from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS, ScalarArg, TensorArg, decode
+from adaptive_eager.runtime.stats import counters
+
+log = logging.getLogger("adaptive_eager")
+
+REFUSED = -1                    # Variant.native_handle of a kernel C++ cannot run
+RETRY = object()                # on_op's answer: try the C++ hot path, then ask again
+# A settled kernel's runs are counted, timed and kept recent (KeyTable.touch: ~9 us, as long as
+# the kernel of a small segment) once per this many runs.
+TOUCH_EVERY = 16
+_KINDS = {OpKind.FUSIBLE: 0, OpKind.VIEW: 1, OpKind.MUTATING: 2}
+_CONTEXT_PARTS = ("default_dtype", "grad_enabled", "inference_mode", "autocast_cpu",
+                  "autocast_cpu_dtype", "autocast_cuda", "deterministic_algorithms")
+
+_lock = threading.Lock()
+_variants: dict = {}            # handle -> Variant registered with the extension
+_handles = itertools.count(1)
+_callbacks_set = False
+
+
+class Unsupported(Exception):
+    """A call the C++ hot path cannot compare or reproduce."""
+
+
+def offer(variant, trie, ext) -> None:
+    """After a fused run of ``variant`` on the C++ backend: register it once its first run
+    passed probation. Its side-by-side trial (Note [Side by side] in runtime/policy.py) then
+    times the C++ path's fused runs: ``_launch`` hands the runs the trial wants per-op to
+    Python's engine, which replays and times them."""
+    entry = variant.entry
+    if variant.native_handle is not None or variant.on_probation or config.VERIFY != "off":
+        return
+    try:
+        plan = _plan(variant, trie)
+    except Unsupported as err:
+        variant.native_handle = REFUSED
+        log.debug("decision=native_refused key=%s reason=%s", entry.digest, err)
+        return
+    _set_callbacks(ext)
+    with _lock:
+        handle = next(_handles)
+        refused = ext.plan_add(handle, variant.segment, *plan)
+        variant.native_handle = REFUSED if refused else handle
+        if not refused:
+            _variants[handle] = variant
+    if refused:
+        log.debug("decision=native_refused key=%s reason=%s", entry.digest, refused)
+
+
+def hot_path_available() -> bool:
+    """Will settled kernels run on the C++ hot path in this process?"""
+    return config.BACKEND != "python" and native.loaded() is not None
+
+
+def registered() -> bool:
+    """Does the extension run any kernel (and know the callbacks)?"""
+    return bool(_variants)
+
+
+def forget(variant) -> None:
+    """``variant`` left the trie: C++ must not run it either."""
+    handle = variant.native_handle
+    if handle is None or handle == REFUSED:
+        return
+    ext = native.loaded()
+    with _lock:
+        _variants.pop(handle, None)
+        variant.native_handle = None
+        if ext is not None:
+            ext.plan_remove(handle)
+
+
+def clear() -> None:
+    ext = native.loaded()
+    with _lock:
+        for variant in _variants.values():
+            variant.native_handle = None
+        _variants.clear()
+        if ext is not None:
+            ext.plan_clear()
+
+
+def after_fork_in_child() -> None:
+    """Note [Fork] (runtime/engine.py): the parent's kernels are not the child's; the child's
+    runtimes run on Python's engine (no lock the parent may have held is taken)."""
+    global _lock
+    _lock = threading.Lock()
+    for variant in _variants.values():
+        variant.native_handle = REFUSED
+    _variants.clear()
+    ext = native.loaded()
+    if ext is not None:
+        ext.hot_path_off()
+
+
+def publish_counts() -> None:
+    """Move the extension's counts (process-wide) into the shared counters."""
+    ext = native.loaded()
+    if ext is None:
+        return
+    deferred, fused_runs, fused_ops, _ = ext.take_counts()
+    counters.add("ops_seen", deferred)
+    counters.add("fused_executions", fused_runs)
+    counters.add("native_fused_executions", fused_runs)
+    counters.add("fused_ops", fused_ops)
+
+
+# ---------------------------------------------------------------- the calls back from C++
+
+def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> bool:
+    """Run a registered kernel at its segment's end (versions are kept by the caller).
+    False: it is gone or failed (demoted), and the caller hands the run over."""
+    variant = _variants.get(handle)
+    runtime = interceptors.current_runtime()
+    if variant is None or runtime is None:
+        return False
+    judged = variant.entry.judged or config.KEEP_UNPROFITABLE
+    if not judged and runtime.table.wants_eager_run(variant):
+        return False                    # Python's engine runs it per-op, timed
+    started = time.perf_counter()
+    try:
+        if torch.autograd.profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu"):
+            from adaptive_eager.runtime.engine import _no_autocast, _profiler_range
+            with _profiler_range(variant), _no_autocast():
+                variant.kernel(*inputs, *buffers)
+        else:
+            variant.kernel(*inputs, *buffers)
+    except Exception as err:  # a kernel that fails at run time is dropped, not fatal
+        runtime.table.demote(variant, f"kernel_error: {type(err).__name__}: {err}")
+        return False
+    variant.untouched_runs += 1
+    if variant.untouched_runs >= TOUCH_EVERY or not judged:   # a trial counts every run
+        runtime.table.touch(variant, waited_s + time.perf_counter() - started,
+                            variant.untouched_runs)
+        variant.untouched_runs = 0
+    runtime.ran_native_kernel(variant)
+    return True
+
+
+def _takeover(segment, depth: int, inputs: list, outputs: list) -> None:
+    runtime = interceptors.current_runtime()
+    runtime.adopt_native_run(segment, depth, inputs, outputs)
+
+
+def _set_callbacks(ext) -> None:
+    global _callbacks_set
+    if not _callbacks_set:
+        ext.set_hot_callbacks(_launch, _takeover, RETRY)
+        _callbacks_set = True
+
+
+# ---------------------------------------------------------------- a segment as plain data
+
+def _plan(variant, trie) -> tuple:
+    """(context, ops, live refs, final results, mutates): plan_add's arguments."""
+    segment = variant.segment
+    node_ids = trie.path_ids(segment)
+    if node_ids is None:
+        raise Unsupported("not in the trie")
+    ops = [_op_spec(record, node_id) for record, node_id in zip(segment.ops, node_ids)]
+    live = [_out_ref(ref) for ref in segment.live_refs]
+    return (_context(segment.context), ops, live, _final_results(segment), variant.mutates)
+
+
+def _context(context: tuple) -> tuple:
+    parts = dict(zip(KEY_CONTEXT_FIELDS, context))
+    unknown = set(parts) - {"torch_version", "settings", *_CONTEXT_PARTS}
+    if unknown or parts.get("settings", ()) != () or parts["torch_version"] != torch.__version__:
+        raise Unsupported(f"key context {sorted(unknown) or parts.get('settings')}")
+    return tuple(parts[name] for name in _CONTEXT_PARTS)
+
+
+def _out_ref(ref: tuple) -> tuple:
+    if ref[0] != "out":
+        raise Unsupported(f"ref {ref}")
+    return ref[1], ref[2]
+
+
+def _final_results(segment) -> list:
+    """Note [Results thrown away] (runtime/segment.py): what counts as live when nothing is."""
+    read = {arg.ref for op in segment.ops if op.kind is not OpKind.VIEW
+            for arg in _tensor_args((op.args, op.kwargs))}
+    return [(index, out) for index, op in enumerate(segment.ops) if op.kind is OpKind.FUSIBLE
+            for out, meta in enumerate(op.out_metas)
+            if meta is not None and ("out", index, out) not in read]
+
+
+def _tensor_args(encoded):
+    if type(encoded) is TensorArg:
+        yield encoded
+    elif isinstance(encoded, tuple) and type(encoded) is not ScalarArg:
+        for item in encoded:
+            yield from _tensor_args(item)
+
+
+def _op_spec(record, node_id: int) -> tuple:
+    func = record.func
+    schema = func._schema
+    names = [argument.name for argument in schema.arguments]
+    kwargs = dict(record.kwargs)
+    args = []
+    for index, argument in enumerate(schema.arguments):
+        if index < len(record.args):
+            args.append(_arg_spec(record.args[index], argument))
+        elif argument.name in kwargs:
+            args.append(_arg_spec(kwargs.pop(argument.name), argument))
+        else:
+            args.append(("d",))
+    if kwargs:
+        raise Unsupported(f"{func}: keywords {sorted(kwargs)}")
+    outs, list_return = _outputs(record, schema)
+    op_class = record.op_class
+    returned = [names.index(name) for _, name in op_class.returned_args]
+    if record.kind is OpKind.MUTATING and len(returned) != len(schema.returns):
+        raise Unsupported(f"{func}: returns")
+    written = [names.index(name) for _, name in op_class.written_lists]
+    return (node_id, schema.name, schema.overload_name, _KINDS[record.kind], args, outs,
+            list_return, returned, written)
+
+
+def _outputs(record, schema) -> tuple[list, bool]:
+    if record.kind is not OpKind.FUSIBLE:
+        return [], False
+    types = [str(ret.type) for ret in schema.returns]
+    list_return = types == ["List[Tensor]"]
+    if not list_return and (types != ["Tensor"] * len(types) or
+                            len(types) != len(record.out_metas)):
+        raise Unsupported(f"{record.func}: returns {types}")
+    if any(meta is None for meta in record.out_metas):
+        raise Unsupported(f"{record.func}: an output that is no tensor")
+    return [(tuple(m.shape), tuple(m.stride), m.dtype, str(m.device))
+            for m in record.out_metas], list_return
+
+
+_NUMBER_KINDS = {bool: "b", int: "i", float: "f", complex: "c"}
+_TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
+
+
+def _arg_spec(encoded, argument) -> tuple:
+    if type(encoded) is TensorArg:
+        return ("t", _tensor_spec(encoded))
+    if type(encoded) is ScalarArg and str(argument.type) in _TENSOR_TYPES:
+        return ("w", encoded.value, _NUMBER_KINDS[encoded.kind])   # x * 2.0: a wrapped number
+    if type(encoded) is tuple and any(type(item) is TensorArg for item in encoded):
+        if not all(item is None or type(item) is TensorArg for item in encoded):
+            raise Unsupported("a list of tensors and other values")
+        return ("l", [None if item is None else _tensor_spec(item) for item in encoded])
+    return ("v", decode(encoded, _no_tensor))
+
+
+def _no_tensor(arg):
+    raise Unsupported("a tensor inside a value")
+
+
+def _tensor_spec(arg: TensorArg) -> tuple:
+    ref = arg.ref
+    op, index = (-1, ref[1]) if ref[0] == "in" else (ref[1], ref[2])
+    return (op, index, tuple(arg.shape), tuple(arg.stride), arg.dtype, str(arg.device),
+            arg.aligned)
