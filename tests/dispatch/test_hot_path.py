@@ -164,13 +164,13 @@ def test_pooled_memory_of_large_outputs_is_reused_only_when_free():
     expected = chain(x, w)
     with ae.enabled():
         kept, views = [], []
-        for step in range(12):
+        for step in range(30):
             out = chain(x, w)
             if step % 3 == 0:
                 kept.append(out)
             elif step % 3 == 1:
                 views.append(out[::2])          # only a view of it stays
-        assert ae.stats().native_fused_executions >= 5
+        assert ae.stats().native_fused_executions >= 15   # each of the 3 live sets
     for out in kept:
         assert_equal(out, expected, bitwise=True)
     for view in views:
