@@ -589,6 +589,17 @@ bool launch(Run& run, const Plan& plan) {
   return ran;
 }
 
+// An output as Python's engine must see it to judge it live: itself; for a computing op's
+// output only something else holds (a view the program keeps in C++ alone, such as a
+// gradient autograd accumulated, or a shallow copy), the whole output rebuilt on its storage,
+// whose storage Python then watches (Note [Shallow copies]); else undefined (dead).
+at::Tensor output_for_python(const Run& run, const Plan& plan, Ref ref) {
+  if (auto impl = run.outputs[ref.op][ref.index].lock()) return at::Tensor(std::move(impl));
+  for (const Output& out : run.computed)
+    if (out.ref == ref && held_elsewhere(out)) return buffer_for(run, plan, ref);
+  return at::Tensor();
+}
+
 // Hand the run to Python's engine (see the Note): it replays or finishes it.
 void take_over(Run& run) {
   g_takeovers.fetch_add(1, std::memory_order_relaxed);
@@ -600,10 +611,10 @@ void take_over(Run& run) {
   for (size_t i = 0; i < run.outputs.size(); ++i) {
     py::list flat(run.outputs[i].size());
     for (size_t k = 0; k < run.outputs[i].size(); ++k) {
-      auto impl = run.outputs[i][k].lock();
-      flat[k] = impl ? py::reinterpret_steal<py::object>(THPVariable_Wrap(at::Tensor(
-                           std::move(impl))))
-                     : py::none();
+      Ref ref{static_cast<int32_t>(i), static_cast<int32_t>(k)};
+      at::Tensor tensor = output_for_python(run, *node.any_plan, ref);
+      flat[k] = tensor.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(tensor))
+                                 : py::none();
     }
     outputs[i] = flat;
   }
