@@ -104,6 +104,16 @@ def clear() -> None:
             ext.plan_clear()
 
 
+def touch_pending(table) -> None:
+    """Count the C++ launches ``_launch`` has not counted yet (the table is being written)."""
+    with _lock:
+        pending = [variant for variant in _variants.values() if variant.untouched_runs]
+    for variant in pending:
+        runs, variant.untouched_runs = variant.untouched_runs, 0
+        if runs:
+            table.touch(variant, None, runs)
+
+
 def after_fork_in_child() -> None:
     """Note [Fork] (runtime/engine.py): the parent's kernels are not the child's; the child's
     runtimes run on Python's engine (no lock the parent may have held is taken)."""

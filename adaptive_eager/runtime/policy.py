@@ -882,15 +882,16 @@ class KeyTable:
             entry.state = KeyState.COLD              # hot again at next sight: load or compile
             entry.artifact_path = entry.saved_artifact or entry.artifact_path
 
-    def touch(self, variant: Variant, seconds: float, runs: int = 1) -> None:
-        """``runs`` fused runs of ``variant``, the last of which took ``seconds``: count
-        them, keep its kernel recently used."""
+    def touch(self, variant: Variant, seconds: float | None, runs: int = 1) -> None:
+        """``runs`` fused runs of ``variant``, the last of which took ``seconds`` (None: not
+        timed): count them, keep its kernel recently used."""
         with self._lock:                  # another thread's install may be evicting
             self.kernels.get(variant.entry.digest)
             counters.add("cache_hits_memory", runs)
             entry = variant.entry
             entry.fused_runs += runs
-            entry.add_sample(entry.fused_samples, seconds)
+            if seconds is not None:
+                entry.add_sample(entry.fused_samples, seconds)
             self._note(entry, fused_runs=runs, fused_ms=entry.fused_ms)
             self._judge_when_timed(variant)
         self.maybe_flush()
@@ -1003,6 +1004,7 @@ class KeyTable:
             self.disk.maybe_flush()
 
     def flush(self) -> None:
+        native_plans.touch_pending(self)     # runs of the C++ hot path not counted yet
         if self.disk is not None:
             self.disk.flush()
 
@@ -1015,6 +1017,7 @@ class KeyTable:
                 held.disown()
 
     def close(self) -> None:
+        native_plans.touch_pending(self)
         with self._lock:
             if self.worker is not None:
                 self.worker.close()
