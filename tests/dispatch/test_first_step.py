@@ -85,6 +85,7 @@ class _FailingFirstStep(torch.optim.SGD):
         return super().step(closure)
 
 
+@pytest.mark.python_mode          # checks the mode stack
 def test_a_first_step_that_raises_gives_the_mode_back_at_the_next_control_point():
     model, data, target = _model_and_batch()
     opt = _FailingFirstStep(model.parameters(), lr=0.1)
@@ -114,6 +115,7 @@ class _Outer(torch.optim.Optimizer):
         self.mode_during_inner_step_end = _get_current_dispatch_mode()
 
 
+@pytest.mark.python_mode          # checks the mode stack
 def test_an_inner_optimizer_step_does_not_end_the_outer_ones_sitting_out():
     model, data, target = _model_and_batch()
     outer = _Outer(torch.optim.AdamW(model.parameters()))
@@ -124,6 +126,7 @@ def test_an_inner_optimizer_step_does_not_end_the_outer_ones_sitting_out():
         assert isinstance(_get_current_dispatch_mode(), AdaptiveMode)   # back after outer
 
 
+@pytest.mark.python_mode          # checks the mode stack
 def test_disabling_during_the_first_step_leaves_the_mode_off():
     model, data, target = _model_and_batch()
 

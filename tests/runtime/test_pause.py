@@ -12,6 +12,10 @@ from adaptive_eager.runtime import engine, scheduling
 from adaptive_eager.runtime.compiler import use_compiler
 from helpers import TimedKernels, assert_equal, by_size, results_held
 
+# The Python mode's pausing: at control points, off the mode stack (the C++ backend pauses
+# between ops: tests/dispatch/test_native.py).
+pytestmark = pytest.mark.python_mode
+
 TINY_OP_S = 10e-6       # what each op of the tests' tiny tensors computes for (fake clock)
 
 
