@@ -46,6 +46,10 @@ class Reason(str, enum.Enum):
     # a tensor on a segment output's memory made by no op the C++ backend sees, in a layout
     # no output has (runtime/segment.py, Note [Shallow copies])
     UNSEEN_ALIAS = "unseen_alias"
+    # uninitialized memory (empty, empty_strided, ...): code below the dispatcher may fill it
+    # without any op (ATen's at::tensor() copies its values in by pointer: ctc_loss's
+    # lengths), so it is made eagerly, outside segments, as what later ops read
+    UNINITIALIZED = "uninitialized"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +154,8 @@ def _classify(func: torch._ops.OpOverload) -> OpClass:
         return OpClass(OpKind.BOUNDARY, Reason.RANDOM)
     if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
         return OpClass(OpKind.BOUNDARY, Reason.DYNAMIC_SHAPE)
+    if name in UNINITIALIZED_OUTPUT_OPS:
+        return OpClass(OpKind.BOUNDARY, Reason.UNINITIALIZED)
     if name in _METADATA_MUTATIONS or torch.Tag.inplace_view in tags:
         return OpClass(OpKind.BOUNDARY, Reason.METADATA_MUTATION)
     returns = schema.returns
