@@ -4,8 +4,9 @@ process; its counters come from the exit report (``NEURON_ADAPTIVE_EAGER_REPORT=
 and its results are checked against plain eager computed here.
 
 The loops call no API of ours. A loop that must run until a kernel lands watches for a stop
-file, which this test creates once the cache holds an artifact and the script ran on for a
-few seconds: how long a compile takes depends on the machine, not on the runtime's logic.
+file, which this test creates once the cache holds an artifact and the script ran on for
+RUN_ON_ITERATIONS more iterations (it writes how far it got to a file): how long a compile
+takes depends on the machine, not on the runtime's logic.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.inductor
 
 LONGEST_S = 240            # a loop gives up waiting for a kernel after this long
-RUN_ON_S = 3.0             # after the first artifact: time to load it and run fused
+# After the first artifact: iterations to load it and run fused (counted, not timed: on a
+# busy machine a few seconds were not always enough for one step of a training loop).
+RUN_ON_ITERATIONS = 30
 
 BARE_LOOP = """
     import os, sys, time, torch
@@ -39,6 +42,8 @@ BARE_LOOP = """
         y = torch.nn.functional.layer_norm(x, (1024,), weight=w) * 2.0
         out = torch.nn.functional.gelu(y) + x
         n += 1
+        with open(stop + ".n", "w") as progress:   # how far it got, for the test
+            progress.write(str(n))
     torch.save(out, sys.argv[3])
 """
 
@@ -86,7 +91,8 @@ def _with_extension(cache_dir: str) -> None:
 def _run(tmp_path, name: str, source: str, cache_dir: str, iterations: int = 0,
          **settings: str) -> tuple[dict, torch.Tensor]:
     """Run ``source`` under the runtime: (exit report counters, the tensor it saved). With
-    ``iterations`` 0 the loop runs until a kernel was in the cache for RUN_ON_S seconds."""
+    ``iterations`` 0 the loop runs until it ran RUN_ON_ITERATIONS more iterations once a
+    kernel was in the cache."""
     _with_extension(cache_dir)
     script, stop = tmp_path / f"{name}.py", tmp_path / f"{name}.stop"
     report, output = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
@@ -104,14 +110,22 @@ def _run(tmp_path, name: str, source: str, cache_dir: str, iterations: int = 0,
 
 
 def _stop_after_first_artifact(process, cache_dir: str, stop) -> None:
-    landed = None
+    landed_at = None                 # the iteration the script had reached then
     while process.poll() is None:
-        if landed is None and _has_artifact(cache_dir):
-            landed = time.monotonic()
-        if landed is not None and time.monotonic() > landed + RUN_ON_S:
+        reached = _iterations(stop)
+        if landed_at is None and _has_artifact(cache_dir):
+            landed_at = reached
+        if landed_at is not None and reached >= landed_at + RUN_ON_ITERATIONS:
             stop.touch()
             return
         time.sleep(0.1)
+
+
+def _iterations(stop) -> int:
+    try:
+        return int(open(str(stop) + ".n").read() or 0)
+    except (OSError, ValueError):    # not written yet, or caught mid-write
+        return 0
 
 
 def _bare_loop_reference() -> torch.Tensor:
@@ -181,6 +195,8 @@ TRAINING_LOOP = """
         loss.backward()
         opt.step()
         steps += 1
+        with open(stop + ".n", "w") as progress:
+            progress.write(str(steps))
     torch.save({{"steps": steps, "params": [p.detach() for p in model.parameters()]}}, sys.argv[3])
 """
 
