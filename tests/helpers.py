@@ -117,8 +117,8 @@ class TimedKernels(CountingCompiler):
 def results_held(table):
     """The compile worker's results wait, uncollected, until the block ends: what a test
     checks while compiles are in flight does not race a fast worker."""
-    table._collect_compiles = lambda wait_s=0.0: None
+    table.compiles._collect = lambda wait_s=0.0: None
     try:
         yield
     finally:
-        del table._collect_compiles              # the method again
+        del table.compiles._collect              # the method again

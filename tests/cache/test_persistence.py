@@ -12,7 +12,7 @@ from adaptive_eager.cache.store import Store
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
 from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
-from adaptive_eager.runtime.policy import KeyState
+from adaptive_eager.runtime.entries import KeyState
 from helpers import MECHANICS_ENV, assert_equal
 
 

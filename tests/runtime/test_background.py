@@ -14,7 +14,7 @@ from adaptive_eager import faults
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine, scheduling
 from adaptive_eager.runtime.compiler import CountingCompiler
-from adaptive_eager.runtime.policy import KeyState
+from adaptive_eager.runtime.entries import KeyState
 from helpers import MECHANICS_ENV, assert_equal, results_held
 
 

@@ -16,7 +16,7 @@ from adaptive_eager.cli import main
 from adaptive_eager.config import config
 from adaptive_eager.runtime import decisions, engine
 from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
-from adaptive_eager.runtime.policy import KeyState
+from adaptive_eager.runtime.entries import KeyState
 from adaptive_eager.runtime.verify import VerificationError
 from helpers import MECHANICS_ENV, assert_equal
 

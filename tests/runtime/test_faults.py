@@ -12,7 +12,7 @@ import adaptive_eager as ae
 from adaptive_eager import faults
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
-from adaptive_eager.runtime.policy import KeyState
+from adaptive_eager.runtime.entries import KeyState
 from helpers import assert_equal
 
 

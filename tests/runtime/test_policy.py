@@ -5,7 +5,7 @@ import adaptive_eager as ae
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
 from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
-from adaptive_eager.runtime.policy import KeyState
+from adaptive_eager.runtime.entries import KeyState
 from helpers import assert_equal
 
 

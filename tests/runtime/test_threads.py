@@ -199,7 +199,7 @@ def test_two_threads_touching_kernels_while_the_lru_evicts():
     variants = []
     for entry in entries:
         with table._lock:
-            table._install(entry, lambda *args: None)
+            table.loaded.install(entry, lambda *args: None)
             variants.append(table.kernels[entry.digest])
     runs_before = sum(entry.fused_runs for entry in entries)
 
@@ -211,7 +211,7 @@ def test_two_threads_touching_kernels_while_the_lru_evicts():
                 table.touch_eager(variants[(rounds + 1) % 4], 1e-4)
             else:                             # kernels arriving, evicting others
                 with table._lock:             # as every install does
-                    table._install(entries[rounds % 4], lambda *args: None)
+                    table.loaded.install(entries[rounds % 4], lambda *args: None)
             rounds += 1
         return rounds
     touched, _ = _hammer(work)
