@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager.runtime.compiler import CountingCompiler
+from adaptive_eager.testing import CountingCompiler
 
 def assert_equal(actual, expected, bitwise: bool = False) -> None:
     """Same structure and values; ``bitwise`` demands identical bits (compilation off)."""

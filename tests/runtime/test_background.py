@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import faults
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine, scheduling
-from adaptive_eager.runtime.compiler import CountingCompiler
 from adaptive_eager.runtime.entries import KeyState
+from adaptive_eager.testing import CountingCompiler, faults
 from helpers import MECHANICS_ENV, assert_equal, results_held
 
 

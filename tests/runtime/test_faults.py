@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import faults
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
 from adaptive_eager.runtime.entries import KeyState
+from adaptive_eager.testing import faults
 from helpers import assert_equal
 
 

@@ -56,7 +56,8 @@ FORKING = textwrap.dedent("""
     from adaptive_eager.cache.store import DB_NAME, TABLE
     from adaptive_eager.config import config
     from adaptive_eager.runtime import engine
-    from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+    from adaptive_eager.runtime.compiler import use_compiler
+    from adaptive_eager.testing import CountingCompiler
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     def chain(x):
