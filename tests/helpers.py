@@ -10,6 +10,17 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager.testing import CountingCompiler
 
+
+def chain(x):
+    """The tests' usual segment: five pointwise ops, one kernel once hot."""
+    return ((x * 2 + 1).sin() * 3).cos()
+
+
+def other(x):
+    """A second segment: other ops than ``chain``'s, so another key."""
+    return ((x - 1).exp() * 2).tanh()
+
+
 def assert_equal(actual, expected, bitwise: bool = False) -> None:
     """Same structure and values; ``bitwise`` demands identical bits (compilation off)."""
     if isinstance(expected, torch.Tensor):

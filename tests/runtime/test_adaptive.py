@@ -10,11 +10,7 @@ from adaptive_eager.config import config
 from adaptive_eager.runtime import engine, entries, keys, profit
 from adaptive_eager.runtime.compiler import use_compiler
 from adaptive_eager.runtime.entries import KeyState
-from helpers import TimedKernels, assert_equal, by_size
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
+from helpers import TimedKernels, assert_equal, by_size, chain
 
 
 def _states():

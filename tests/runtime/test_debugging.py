@@ -19,15 +19,7 @@ from adaptive_eager.runtime.compiler import use_compiler
 from adaptive_eager.runtime.entries import KeyState
 from adaptive_eager.runtime.verify import VerificationError
 from adaptive_eager.testing import CountingCompiler
-from helpers import MECHANICS_ENV, assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
-
-
-def other(x):
-    return ((x - 1).exp() * 2).tanh()
+from helpers import MECHANICS_ENV, assert_equal, chain, other
 
 
 class OffByALittle(CountingCompiler):

@@ -13,11 +13,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager.runtime import engine
-from helpers import assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
+from helpers import assert_equal, chain
 
 
 def _pending() -> bool:

@@ -12,13 +12,9 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import adaptive_eager as ae
-from helpers import MECHANICS_ENV, assert_equal
+from helpers import MECHANICS_ENV, assert_equal, chain
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
 
 
 class Normalized(Dataset):

@@ -16,15 +16,7 @@ from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
 from adaptive_eager.runtime.worker import CompileRequest, CompileResult, CompileWorker
-from helpers import assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
-
-
-def other(x):
-    return ((x - 1).exp() * 2).tanh()
+from helpers import assert_equal, chain, other
 
 
 def _in_thread(target, *args):
