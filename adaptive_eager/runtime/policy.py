@@ -48,7 +48,7 @@ class KeyTable:
         self.disk = disk
         self.records = Records(disk)
         self.loaded = LoadedKernels(trie, disk, memory_size)
-        self.trie, self.kernels = trie, self.loaded.lru       # what the hot path walks
+        self.trie, self.kernels = trie, self.loaded.lru   # the hot path's trie, its kernels' LRU
         self.compiles = Compiles(self._lock, disk, self.loaded, self.records,
                                  start=self._start_compile)
         self.generic = GenericKernels(self.loaded, self.compiles)
