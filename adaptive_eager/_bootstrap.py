@@ -9,15 +9,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import os
 import sys
-
-ENV_VAR = "NEURON_ADAPTIVE_EAGER"
-
-
-def requested() -> bool:
-    return os.environ.get(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no", "off")
-
 
 class _TorchImportHook(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps torch's loader so the runtime starts after torch loads."""

@@ -17,7 +17,7 @@ from adaptive_eager.fork_safety import at_fork
 from adaptive_eager.runtime import clock, engine, native_plans
 from adaptive_eager.runtime.allocator import keep_freed_memory
 from adaptive_eager.runtime.decisions import decide
-from adaptive_eager.runtime.policy import freeze_gc, unfreeze_gc
+from adaptive_eager.runtime.gc_freeze import freeze_gc, unfreeze_gc
 from adaptive_eager.runtime.stats import Stats, counters
 
 _local = threading.local()

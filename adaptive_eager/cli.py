@@ -119,7 +119,8 @@ def _print_show(info: dict) -> None:
     print(f"{'last used':<16}{_when(info['last_used'])}")
     artifact = info["artifact_path"] or "-"
     if info["artifact_path"]:
-        artifact += f" ({info['artifact_bytes']} bytes{'' if info['artifact_present'] else ', MISSING'})"
+        missing = "" if info["artifact_present"] else ", MISSING"
+        artifact += f" ({info['artifact_bytes']} bytes{missing})"
     print(f"{'artifact':<16}{artifact}")
     print(f"{'live outputs':<16}{', '.join(info['parts']['live_outputs']) or '-'}")
     print("ops:")
@@ -221,9 +222,9 @@ def _cache_enable(api, store, options) -> int:
                  lambda p: print(f"{p['enabled']}: fusion enabled again"))
 
 
-_CACHE_ACTIONS = {"disable": _cache_disable, "enable": _cache_enable, "ls": _cache_ls, "show": _cache_show, "explain": _cache_explain,
-                  "stats": _cache_stats, "clear": _cache_clear, "prune": _cache_prune,
-                  "verify": _cache_verify}
+_CACHE_ACTIONS = {"disable": _cache_disable, "enable": _cache_enable, "ls": _cache_ls,
+                  "show": _cache_show, "explain": _cache_explain, "stats": _cache_stats,
+                  "clear": _cache_clear, "prune": _cache_prune, "verify": _cache_verify}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """Every setting of adaptive-eager, declared once, read once from the environment.
 
-Each setting names its environment variable, type, default and help, and whether it changes
-what a compiled kernel computes (``affects_key``): those are part of every segment key so a
-kernel built under one value is never replayed under another.
+Each setting names its environment variable, type, default and help. None changes what a
+compiled kernel computes: what does (dtype defaults, grad mode, autocast...) is ambient torch
+state, part of every segment key (dispatch/signature.py, ``key_context``).
 
 Tests override values with ``config.patch(NAME=value)``; nothing else reads ``os.environ``.
 """
@@ -125,7 +125,6 @@ class Setting:
     parse: Callable[[str], Any]    # str -> typed value; raises ValueError with what it accepts
     default: Callable[[], Any]     # called lazily so defaults can depend on the machine
     help: str
-    affects_key: bool = False
 
     @property
     def env_var(self) -> str:
@@ -274,10 +273,6 @@ class _Config:
         with self._lock:
             self._values.clear()
 
-    def key_context(self) -> tuple:
-        """The settings that change compiled output, as a hashable tuple for segment keys."""
-        return tuple((s.name, getattr(self, s.name)) for s in SETTINGS if s.affects_key)
-
     @contextlib.contextmanager
     def patch(self, **overrides: Any) -> Iterator[None]:
         """Temporarily set settings by name (tests)."""
@@ -294,8 +289,8 @@ class _Config:
 
     def describe(self) -> list[dict]:
         """Every setting with its variable, current value and help (for docs and the CLI)."""
-        return [{"env": s.env_var, "value": getattr(self, s.name), "help": s.help,
-                 "affects_key": s.affects_key} for s in SETTINGS]
+        return [{"env": s.env_var, "value": getattr(self, s.name), "help": s.help}
+                for s in SETTINGS]
 
 
 config = _Config()

@@ -1,20 +1,15 @@
-"""Fault injection for the tests of the failure paths. Not a user feature.
+"""Fault injection points, for the tests of the failure paths. Not a user feature.
 
-Each fault makes one thing go wrong at its place in the code, so every recovery path can be
-exercised on purpose and reproducibly::
-
-    with faults.inject("compile_error"):
-        ...                      # every compile raises; the program must not notice
-
-``inject`` also sets ``ADAPTIVE_EAGER_TEST_FAULTS`` in the environment, so compile workers
-started inside the block inherit the faults (a worker reads it once, when it starts).
+Each fault makes one thing go wrong at its place in the code (the ``check_*`` calls and
+``damaged_kernel`` below), so every recovery path can be exercised on purpose and
+reproducibly. Tests switch faults on with ``adaptive_eager.testing.faults.inject``, which
+also sets ``ADAPTIVE_EAGER_TEST_FAULTS`` in the environment, so compile workers started inside
+the block inherit the faults (a worker reads it once, when it starts).
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-from typing import Iterator
 
 ENV_VAR = "ADAPTIVE_EAGER_TEST_FAULTS"
 
@@ -28,7 +23,7 @@ FAULTS = {
 }
 
 
-def _parse(text: str) -> frozenset:
+def parse(text: str) -> frozenset:
     names = frozenset(part.strip() for part in text.split(",") if part.strip())
     unknown = names - set(FAULTS)
     if unknown:
@@ -36,28 +31,21 @@ def _parse(text: str) -> frozenset:
     return names
 
 
-_active: frozenset = _parse(os.environ.get(ENV_VAR, ""))
+_active: frozenset = parse(os.environ.get(ENV_VAR, ""))
 
 
 def active(name: str) -> bool:
     return name in _active
 
 
-@contextlib.contextmanager
-def inject(*names: str) -> Iterator[None]:
-    """Make the named faults happen inside the block (and in workers started in it)."""
+def in_effect() -> frozenset:
+    return _active
+
+
+def set_in_effect(names: frozenset) -> None:
+    """The faults that happen from now on in this process (testing.faults.inject)."""
     global _active
-    saved, saved_env = _active, os.environ.get(ENV_VAR)
-    _active = _parse(",".join(names)) | saved
-    os.environ[ENV_VAR] = ",".join(sorted(_active))
-    try:
-        yield
-    finally:
-        _active = saved
-        if saved_env is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = saved_env
+    _active = names
 
 
 def check_disk_write(directory: str) -> None:

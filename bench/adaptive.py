@@ -128,7 +128,7 @@ def _until_judged(run, most: int = 12) -> None:
     side]: its first runs after the checked one alternate with per-op runs), so timed runs
     measure kernels, not their trial."""
     from adaptive_eager.runtime.engine import shared_table
-    from adaptive_eager.runtime.policy import KeyState
+    from adaptive_eager.runtime.entries import KeyState
     for _ in range(most):
         run()
         if all(entry.judged for entry in shared_table().entries()

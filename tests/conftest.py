@@ -30,7 +30,8 @@ import torch  # noqa: E402
 
 import adaptive_eager as ae  # noqa: E402
 from adaptive_eager.config import config  # noqa: E402
-from adaptive_eager.runtime.compiler import CountingCompiler, InductorCompiler, use_compiler  # noqa: E402
+from adaptive_eager.runtime.compiler import InductorCompiler, use_compiler  # noqa: E402
+from adaptive_eager.testing import CountingCompiler  # noqa: E402
 from adaptive_eager.runtime import clock  # noqa: E402
 from helpers import MECHANICS, FakeClock  # noqa: E402
 

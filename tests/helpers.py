@@ -8,7 +8,18 @@ from typing import Callable
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager.runtime.compiler import CountingCompiler
+from adaptive_eager.testing import CountingCompiler
+
+
+def chain(x):
+    """The tests' usual segment: five pointwise ops, one kernel once hot."""
+    return ((x * 2 + 1).sin() * 3).cos()
+
+
+def other(x):
+    """A second segment: other ops than ``chain``'s, so another key."""
+    return ((x - 1).exp() * 2).tanh()
+
 
 def assert_equal(actual, expected, bitwise: bool = False) -> None:
     """Same structure and values; ``bitwise`` demands identical bits (compilation off)."""
@@ -117,8 +128,8 @@ class TimedKernels(CountingCompiler):
 def results_held(table):
     """The compile worker's results wait, uncollected, until the block ends: what a test
     checks while compiles are in flight does not race a fast worker."""
-    table._collect_compiles = lambda wait_s=0.0: None
+    table.compiles._collect = lambda wait_s=0.0: None
     try:
         yield
     finally:
-        del table._collect_compiles              # the method again
+        del table.compiles._collect              # the method again

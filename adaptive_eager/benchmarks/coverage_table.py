@@ -108,7 +108,8 @@ def decode_section(decode: dict) -> list[str]:
     if "error" in decode:
         return lines + [f"Not measured: {decode['error']}", ""]
     lines += ["| cache | eager tok/s | runtime tok/s | runtime / eager | torch.compile tok/s "
-              "| compile / eager | ops fused (runtime) | mismatches |", "|---|---|---|---|---|---|---|---|"]
+              "| compile / eager | ops fused (runtime) | mismatches |",
+              "|---|---|---|---|---|---|---|---|"]
     for cache, entry in decode.items():
         rates = entry["tokens_per_s"]
         eager, compiled = rates["eager"], rates.get("compile")
@@ -237,9 +238,10 @@ def markdown(results: list[Coverage], command: str, decode: dict | None = None,
         f"- **Ratios** (runtime time / eager time, below 1 is faster): default settings and "
         f"an empty kernel cache, as in a user's first run (in brackets: the share of ops fused "
         f"in the timed and warm-up calls); after {WARMUP_S:.0f} s of runtime calls, "
-        f"a wait for background compiles and 3 more calls, {TIMED_REPS} runtime calls alternate with "
-        f"{TIMED_REPS} eager calls (`ae.paused()`) in one process; medians. A train step is "
-        f"forward, backward and AdamW; a generate call is {NEW_TOKENS} tokens.{_noise(results)}",
+        f"a wait for background compiles and 3 more calls, {TIMED_REPS} runtime calls "
+        f"alternate with {TIMED_REPS} eager calls (`ae.paused()`) in one process; medians. "
+        f"A train step is forward, backward and AdamW; a generate call is {NEW_TOKENS} tokens."
+        f"{_noise(results)}",
         "", *table, ""]
     reasons = _reasons(results)
     if reasons:

@@ -64,7 +64,8 @@ def _number(value: float | None, unit_digits: int = 3) -> str:
 def _ratio(row: Row) -> str:
     if row.ratio_to_eager is None:
         return "-"
-    return f"{row.ratio_to_eager:.2f}" if row.ratio_to_eager >= 0.1 else _number(row.ratio_to_eager, 2)
+    ratio = row.ratio_to_eager
+    return f"{ratio:.2f}" if ratio >= 0.1 else _number(ratio, 2)
 
 
 def _break_even(row: Row) -> str:

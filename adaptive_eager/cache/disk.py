@@ -91,10 +91,6 @@ class DiskCache:
         self._distrust_told = False             # Note [Trusted cache]: one warning
         atexit.register(self.flush)
 
-    @property
-    def enabled(self) -> bool:
-        return self.store.disabled_reason is None
-
     def has_artifacts(self) -> bool:
         try:
             return any(name.endswith(".bin") for name in os.listdir(self.store.artifact_dir))

@@ -10,9 +10,10 @@ Layout of ``NEURON_ADAPTIVE_EAGER_CACHE_DIR``::
 
 Safe for several processes at once: WAL journaling, a busy timeout, counters written as
 deltas, artifacts written to a temporary file and renamed into place. A database that is not
-a database, fails SQLite's quick check, or has another format, is set aside (renamed ``*.corrupt-<time>``) and
-rebuilt; an artifact whose checksum does not match is removed. Each is reported once; the
-program never sees an exception from here: a store that cannot be written is switched off.
+a database, fails SQLite's quick check, or has another format, is set aside (renamed
+``*.corrupt-<time>``) and rebuilt; an artifact whose checksum does not match is removed. Each
+is reported once; the program never sees an exception from here: a store that cannot be
+written is switched off.
 
 This module does not import torch: the CLI reads the store without it.
 """
@@ -227,7 +228,8 @@ class Store:
         row["ops"] = json.dumps(list(row["ops"]))
         row["parts"] = json.dumps(row["parts"], default=str)
         names = [name for name in _NAMES if name in row]
-        assignments = ["seen = seen + excluded.seen", "fused_runs = fused_runs + excluded.fused_runs",
+        assignments = ["seen = seen + excluded.seen",
+                       "fused_runs = fused_runs + excluded.fused_runs",
                        "last_used = excluded.last_used"]
         # A process that merely saw a key ("cold") must not undo another's decision.
         assignments.append(f"state = CASE WHEN excluded.state = 'cold' THEN {TABLE}.state "

@@ -154,13 +154,12 @@ def is_cpu_scalar(arg: TensorArg) -> bool:
 
 KEY_CONTEXT_FIELDS = ("torch_version", "default_dtype", "grad_enabled", "inference_mode",
                       "autocast_cpu", "autocast_cpu_dtype", "autocast_cuda",
-                      "deterministic_algorithms", "settings")
+                      "deterministic_algorithms")
 
 
 def key_context() -> tuple:
     """Ambient state that changes what ops compute; part of every segment key (the names of
     its parts are KEY_CONTEXT_FIELDS)."""
-    from adaptive_eager.config import config
     return (
         torch.__version__,
         torch.get_default_dtype(),
@@ -169,5 +168,4 @@ def key_context() -> tuple:
         torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
         torch.is_autocast_enabled("cuda"),
         torch.are_deterministic_algorithms_enabled(),
-        config.key_context(),
     )

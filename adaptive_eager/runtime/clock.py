@@ -2,14 +2,14 @@
 
 # Note [Clock]
 Policy decisions depend on measured time: what a cold segment's ops compute (too cheap to
-compile? extern-bound? what would it save?), a segment's wall time (interception), a fused
-run's and the plain per-op runs timed beside it (Note [Side by side]), and when a pause ends.
-The runtime reads every such time here, as ``clock.perf_counter()`` (durations) and
+compile? extern-bound? what would it save?), a segment's wall time (interception), a fused run's
+and the plain per-op runs timed beside it (Note [Side by side], runtime/profit.py), and when a
+pause ends. The runtime reads every such time here, as ``clock.perf_counter()`` (durations) and
 ``clock.monotonic()`` (deadlines): a module attribute looked up at each call, as cheap as
-``time.perf_counter()``. Tests replace both with a fake clock (tests/helpers.py, FakeClock)
-to state timings instead of measuring them on a busy machine. Times that decide no policy
-(compile and load seconds for stats, the worker's timeouts, the decision log's repeat
-interval) read ``time`` directly.
+``time.perf_counter()``. Tests replace both with a fake clock (tests/helpers.py, FakeClock) to
+state timings instead of measuring them on a busy machine. Times that decide no policy (compile
+and load seconds for stats, the worker's timeouts, the decision log's repeat interval) read
+``time`` directly.
 """
 from __future__ import annotations
 

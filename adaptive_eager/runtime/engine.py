@@ -600,7 +600,7 @@ class Runtime:
         return False
 
     def _run_beside(self, variant, builder: SegmentBuilder, live: tuple) -> None:
-        """Note [Side by side] (runtime/policy.py): run a deferred segment whose kernel is on
+        """Note [Side by side] (runtime/profit.py): run a deferred segment whose kernel is on
         trial per-op instead, and time its ops for the comparison."""
         self.table.touch_eager(variant, self._replay(builder, live))
 

@@ -49,7 +49,7 @@ class Unsupported(Exception):
 
 def offer(variant, trie, ext) -> None:
     """After a fused run of ``variant`` on the C++ backend: register it once its first run
-    passed probation. Its side-by-side trial (Note [Side by side] in runtime/policy.py) then
+    passed probation. Its side-by-side trial (Note [Side by side] in runtime/profit.py) then
     times the C++ path's fused runs: ``_launch`` hands the runs the trial wants per-op to
     Python's engine, which replays and times them."""
     entry = variant.entry

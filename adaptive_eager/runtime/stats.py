@@ -23,7 +23,8 @@ class Stats:
     compile_seconds: float = 0.0
     compiles_in_flight: int = 0     # now, not counted: in the worker (warm-up is not over)
     compiles_waiting: int = 0       # now: hot keys whose compile waits (Note [When to compile])
-    generic_kernels: int = 0        # compiles for every shape of a structure (Note [Generic kernels])
+    generic_kernels: int = 0        # compiles for every shape of a structure
+                                    # (Note [Generic kernels], runtime/generic_kernels.py)
     generic_instances: int = 0      # keys (shapes) served by one of those, without a compile
     fused_executions: int = 0
     fused_ops: int = 0

@@ -12,8 +12,9 @@ path; the runtime loads it (~7 ms) and swaps the kernel in at a segment boundary
 program goes on per-op.
 
 Protocol: length-prefixed pickles over the worker's stdin/stdout. The worker's own prints go to
-stderr, which is ``worker.log`` in the cache directory. It exits when its stdin closes, so it never outlives the program. A worker that dies or
-overruns COMPILE_TIMEOUT_S fails its request with a reason and is restarted on the next one.
+stderr, which is ``worker.log`` in the cache directory. It exits when its stdin closes, so it
+never outlives the program. A worker that dies or overruns COMPILE_TIMEOUT_S fails its request
+with a reason and is restarted on the next one.
 """
 from __future__ import annotations
 

@@ -10,10 +10,7 @@ from adaptive_eager.cache.inductor_dir import claim
 from adaptive_eager.cache.store import Store
 from adaptive_eager.cli import main
 from adaptive_eager.config import config
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
+from helpers import chain
 
 
 @pytest.fixture

@@ -9,13 +9,9 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager.cache import api, inductor_dir
 from adaptive_eager.config import config
-from helpers import assert_equal
+from helpers import assert_equal, chain
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
 
 
 def _users_cache(tmp_path):

@@ -11,13 +11,10 @@ import adaptive_eager as ae
 from adaptive_eager.cache.store import Store
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
-from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
-from adaptive_eager.runtime.policy import KeyState
-from helpers import MECHANICS_ENV, assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
+from adaptive_eager.runtime.compiler import use_compiler
+from adaptive_eager.runtime.entries import KeyState
+from adaptive_eager.testing import CountingCompiler
+from helpers import MECHANICS_ENV, assert_equal, chain
 
 
 def _run(x, times=6):
@@ -137,7 +134,8 @@ WORKER = textwrap.dedent("""
     import sys, torch
     import adaptive_eager as ae
     from adaptive_eager.config import config
-    from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+    from adaptive_eager.runtime.compiler import use_compiler
+    from adaptive_eager.testing import CountingCompiler
     x = torch.full((64,), float(sys.argv[1]))
     with use_compiler(CountingCompiler()), ae.enabled():
         outs = [((x * 2 + 1).sin() * 3).cos() for _ in range(int(sys.argv[2]))]

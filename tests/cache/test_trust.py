@@ -12,13 +12,9 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager.cache.store import Store
 from adaptive_eager.config import config
-from helpers import assert_equal
+from helpers import assert_equal, chain
 
 OTHER_UID = 54321          # no user of this machine
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
 
 
 def _run(x, times=4):

@@ -6,9 +6,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 rank = int(sys.argv[1]); world = 2
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=rank, world_size=world)
 import adaptive_eager as ae
-from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+from adaptive_eager.runtime.compiler import use_compiler
+from adaptive_eager.testing import CountingCompiler
 torch.manual_seed(0)
-base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
+                           torch.nn.Linear(64, 8))
 def train(model, steps):
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, foreach=True)

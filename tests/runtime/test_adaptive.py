@@ -7,14 +7,10 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager.cache.store import Store
 from adaptive_eager.config import config
-from adaptive_eager.runtime import engine, policy
+from adaptive_eager.runtime import engine, entries, keys, profit
 from adaptive_eager.runtime.compiler import use_compiler
-from adaptive_eager.runtime.policy import KeyState
-from helpers import TimedKernels, assert_equal, by_size
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
+from adaptive_eager.runtime.entries import KeyState
+from helpers import TimedKernels, assert_equal, by_size, chain
 
 
 def _states():
@@ -84,7 +80,7 @@ def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings(fake_clock):
 
 def test_a_kernel_that_beats_per_op_by_the_margin_is_kept(fake_clock):
     fake_clock.op_s = OP_S                            # 5 ops: 0.5 ms per-op
-    fused_s = 5 * OP_S * (1 - policy.PROFIT_MARGIN) * 0.99
+    fused_s = 5 * OP_S * (1 - profit.PROFIT_MARGIN) * 0.99
     x = torch.randn(64)
     with use_compiler(TimedKernels(fake_clock, fused_s)), \
             config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
@@ -119,7 +115,7 @@ def test_a_kernel_on_trial_alternates_with_plain_eager_runs_of_its_segment(monke
                                                   touch_eager(variant, seconds)))
     with config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
         runs = []
-        for _ in range(2 + 1 + 2 * policy.PROFIT_SAMPLES):
+        for _ in range(2 + 1 + 2 * profit.PROFIT_SAMPLES):
             fused_before, eager_before = ae.stats().fused_executions, len(eager_runs)
             out = chain(x)
             ae.sync()                                 # the deferred run ends here
@@ -146,11 +142,11 @@ def test_a_kernel_is_judged_against_plain_eager_timed_beside_it():
         entry.eager_samples, entry.compute_seconds = [0.010] * 4, 0.001   # a calm moment,
         entry.control_samples = [0.008] * 3                               # then a busy one
         entry.fused_samples, entry.judged = [0.005] * 4, False
-        table._judge(variant)
+        table.profit.judge(variant)
         assert entry.state is KeyState.READY and entry.judged             # 5 ms vs 8 ms: kept
         entry.control_samples, entry.judged = [0.002] * 3, False          # beats 10 ms, not 2
         entry.retimed = True                                              # its second trial
-        table._judge(variant)
+        table.profit.judge(variant)
         assert entry.state is KeyState.UNPROFITABLE and "eager 2.000 ms" in entry.reason
         assert variant not in table.kernels.values()
 
@@ -164,7 +160,7 @@ def test_a_kernel_that_loses_its_first_trial_is_timed_once_more():
         entry = variant.entry
         entry.control_samples = [0.010] * 3
         entry.fused_samples, entry.judged = [0.030] + [0.020] * 3, False   # a busy moment
-        table._judge(variant)
+        table.profit.judge(variant)
         assert entry.state is KeyState.READY and entry.retimed and not entry.judged
         assert entry.control_samples == [] and len(entry.fused_samples) == 1
         with config.patch(KEEP_UNPROFITABLE=False):
@@ -237,7 +233,7 @@ def test_keys_seen_once_are_never_named(compiler, monkeypatch):
     # A digest costs ~0.1 ms; ever-new shapes make keys seen once that need no name, not even
     # those past MAX_SHAPE_VARIANTS (megamorphic).
     named = []
-    monkeypatch.setattr(policy, "stable_digest", lambda key: named.append(key) or "0" * 16)
+    monkeypatch.setattr(entries, "stable_digest", lambda key: named.append(key) or "0" * 16)
     with config.patch(MAX_SHAPE_VARIANTS=4), ae.enabled():
         for length in range(5, 25):
             chain(torch.randn(length)).sum().item()
@@ -270,12 +266,12 @@ def scaled(x, scale: float):
 def test_keys_seen_once_shrink_yet_turn_hot_when_they_come_back(compiler):
     # Note [Keys seen once]
     x = torch.randn(8)
-    others = policy.SEEN_ONCE_KEPT + 40
+    others = keys.SEEN_ONCE_KEPT + 40
     with ae.enabled():
         scaled(x, 0.5)
         for step in range(others):
             scaled(x, 1.0 + step)
-        assert len(engine.shared_table().entries()) <= policy.SEEN_ONCE_KEPT + 1
+        assert len(engine.shared_table().entries()) <= keys.SEEN_ONCE_KEPT + 1
         assert compiler.count == 0
         again = [scaled(x, 0.5) for _ in range(3)]
         [hot] = [entry for entry in engine.shared_table().entries() if entry.seen > 1]
@@ -293,7 +289,7 @@ def test_a_shape_shrunk_to_a_sighting_is_still_the_variant_it_was(compiler):
     # The first shapes of a structure compile when they come back; those past
     # MAX_SHAPE_VARIANTS stay megamorphic; coming back counts no new variant.
     with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
-        for length in range(4, 4 + policy.SEEN_ONCE_KEPT + 8):
+        for length in range(4, 4 + keys.SEEN_ONCE_KEPT + 8):
             logged(trimmed_chain(torch.randn(length)))      # seen once each, then shrunk
         early, late = torch.randn(4), torch.randn(40)
         outs = [(x, logged(trimmed_chain(x))) for x in (early, late, early, late, early)]
@@ -302,7 +298,7 @@ def test_a_shape_shrunk_to_a_sighting_is_still_the_variant_it_was(compiler):
         # per-op twice (the sighting is the first), then fused
         assert by_length[4].state is KeyState.READY and by_length[4].seen == 2
         assert by_length[40].state is KeyState.MEGAMORPHIC and by_length[40].seen == 3
-        assert by_length[4].structure.variants == policy.SEEN_ONCE_KEPT + 8
+        assert by_length[4].structure.variants == keys.SEEN_ONCE_KEPT + 8
     assert compiler.count == 1
     for x, out in outs:
         assert_equal(out, trimmed_chain(x))
@@ -354,7 +350,7 @@ def test_a_structure_dropped_with_its_one_shape_keeps_counting_shapes(compiler):
     x = torch.randn(8)
     with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
         logged(trimmed_chain(torch.randn(4)))
-        for step in range(policy.SEEN_ONCE_KEPT + 8):
+        for step in range(keys.SEEN_ONCE_KEPT + 8):
             scaled(x, 1.0 + step)
         assert ae.stats().fallbacks.get("megamorphic", 0) == 0
         logged(trimmed_chain(torch.randn(5)))

@@ -1,4 +1,5 @@
-"""Opt-in: glibc's malloc thresholds set where its own adaptation ends (Note [Allocator thresholds])."""
+"""Opt-in: glibc's malloc thresholds set where its own adaptation ends (Note [Allocator
+thresholds])."""
 import ctypes
 import os
 import subprocess

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import faults
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine, scheduling
-from adaptive_eager.runtime.compiler import CountingCompiler
-from adaptive_eager.runtime.policy import KeyState
-from helpers import MECHANICS_ENV, assert_equal, results_held
+from adaptive_eager.runtime.entries import KeyState
+from adaptive_eager.testing import CountingCompiler, faults
+from helpers import MECHANICS_ENV, assert_equal, chain, other, results_held
 
 
 class HangingCompiler(CountingCompiler):
@@ -24,14 +23,6 @@ class HangingCompiler(CountingCompiler):
         if marker:
             open(marker, "w").close()        # tell the test the compile is under way
         time.sleep(600)
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
-
-
-def other(x):
-    return ((x - 1).exp() * 2).tanh()
 
 
 def _ran(fn, x):

@@ -9,11 +9,7 @@ import adaptive_eager as ae
 from adaptive_eager.config import config
 from adaptive_eager.cache import disk
 from adaptive_eager.runtime import decisions, engine
-from helpers import assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
+from helpers import assert_equal, chain
 
 
 def trimmed_chain(x):

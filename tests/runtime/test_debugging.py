@@ -15,18 +15,11 @@ from adaptive_eager.cache import api as cache_api
 from adaptive_eager.cli import main
 from adaptive_eager.config import config
 from adaptive_eager.runtime import decisions, engine
-from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
-from adaptive_eager.runtime.policy import KeyState
+from adaptive_eager.runtime.compiler import use_compiler
+from adaptive_eager.runtime.entries import KeyState
 from adaptive_eager.runtime.verify import VerificationError
-from helpers import MECHANICS_ENV, assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
-
-
-def other(x):
-    return ((x - 1).exp() * 2).tanh()
+from adaptive_eager.testing import CountingCompiler
+from helpers import MECHANICS_ENV, assert_equal, chain, other
 
 
 class OffByALittle(CountingCompiler):
@@ -199,7 +192,8 @@ def test_compile_off_still_shows_what_would_be_fused(compiler, capsys):
 REPORT_SCRIPT = textwrap.dedent("""
     import torch
     import adaptive_eager as ae
-    from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+    from adaptive_eager.runtime.compiler import use_compiler
+    from adaptive_eager.testing import CountingCompiler
     x = torch.randn(64)
     with use_compiler(CountingCompiler()), ae.enabled():
         for _ in range(6):

@@ -9,19 +9,11 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager import faults
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
-from adaptive_eager.runtime.policy import KeyState
-from helpers import assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
-
-
-def other(x):
-    return ((x - 1).exp() * 2).tanh()
+from adaptive_eager.runtime.entries import KeyState
+from adaptive_eager.testing import faults
+from helpers import assert_equal, chain, other
 
 
 def in_place(x):

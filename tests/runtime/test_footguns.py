@@ -13,11 +13,7 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager.runtime import engine
-from helpers import assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
+from helpers import assert_equal, chain
 
 
 def _pending() -> bool:
@@ -473,8 +469,8 @@ def test_a_bad_setting_under_the_startup_hook_is_one_line_and_the_program_runs(t
     # What adaptive_eager_startup.pth does, without needing the package installed.
     script = tmp_path / "train.py"
     script.write_text("import adaptive_eager._bootstrap as hook\nhook.arm()\n" + SCRIPT)
-    env = {**os.environ, "NEURON_ADAPTIVE_EAGER": "1", "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "lots",
-           "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "NEURON_ADAPTIVE_EAGER": "1",
+           "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "lots", "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -12,13 +12,9 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import adaptive_eager as ae
-from helpers import MECHANICS_ENV, assert_equal
+from helpers import MECHANICS_ENV, assert_equal, chain
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
 
 
 class Normalized(Dataset):
@@ -56,7 +52,8 @@ FORKING = textwrap.dedent("""
     from adaptive_eager.cache.store import DB_NAME, TABLE
     from adaptive_eager.config import config
     from adaptive_eager.runtime import engine
-    from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
+    from adaptive_eager.runtime.compiler import use_compiler
+    from adaptive_eager.testing import CountingCompiler
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     def chain(x):

@@ -308,8 +308,9 @@ def test_sizes_that_hold_only_for_some_lengths_fall_back_to_meta_replay_or_refus
 
 
 def test_what_a_compile_learned_about_a_size_limits_the_kernel_to_where_it_holds():
-    from adaptive_eager.runtime.generic import _symbolic_mode, learned_conditions
-    fake_mode, symbols, symints = _symbolic_mode((8,))
+    from adaptive_eager.runtime.generic import learned_conditions
+    from adaptive_eager.runtime.generic.shapes import symbolic_mode
+    fake_mode, symbols, symints = symbolic_mode((8,))
     assert learned_conditions(fake_mode.shape_env, symbols) == ()
     assert symints[0] >= 4                     # what compiling x[:, :4] makes Inductor assume
     conditions = learned_conditions(fake_mode.shape_env, symbols)

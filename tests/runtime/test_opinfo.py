@@ -59,7 +59,8 @@ def _same(actual, expected, exact: bool) -> bool:
             continue
         a, e = _comparable(a), _comparable(e)
         if exact:
-            if not (torch.equal(a.isnan(), e.isnan()) and torch.equal(a.nan_to_num(), e.nan_to_num())):
+            if not (torch.equal(a.isnan(), e.isnan())
+                    and torch.equal(a.nan_to_num(), e.nan_to_num())):
                 return False
         elif not torch.allclose(a, e, rtol=1e-4, atol=1e-5, equal_nan=True):
             return False

@@ -22,17 +22,22 @@ OPS = {
     "matmul": lambda x, y, m: (x @ m).relu() @ m.t(),
     "views": lambda x, y, m: x.t().reshape(3, 8)[1:].unsqueeze(0).expand(2, 2, 8).sum(0),
     "cat_stack_split": lambda x, y, m: torch.cat(torch.split(torch.stack([x, y]).sum(0), 2)),
-    "indexing": lambda x, y, m: x[:, [0, 2, 4]].sum(1) * y[1:3].sum() + x.gather(1, (y > 0).long()).sum(1),
+    "indexing": lambda x, y, m: (x[:, [0, 2, 4]].sum(1) * y[1:3].sum()
+                                 + x.gather(1, (y > 0).long()).sum(1)),
     "softmax": lambda x, y, m: F.softmax(x, -1) + F.log_softmax(y, 0),
     "activations": lambda x, y, m: F.gelu(x) + F.silu(y) + F.elu(x) + F.leaky_relu(y),
-    "normalization": lambda x, y, m: F.layer_norm(x, (6,)) + F.group_norm(x.view(2, 2, 6), 2).view(4, 6),
-    "losses": lambda x, y, m: F.mse_loss(x, y) + F.smooth_l1_loss(x, y) + F.binary_cross_entropy_with_logits(x, y.sigmoid()),
+    "normalization": lambda x, y, m: (F.layer_norm(x, (6,))
+                                      + F.group_norm(x.view(2, 2, 6), 2).view(4, 6)),
+    "losses": lambda x, y, m: (F.mse_loss(x, y) + F.smooth_l1_loss(x, y)
+                               + F.binary_cross_entropy_with_logits(x, y.sigmoid())),
     "cumulative": lambda x, y, m: x.cumsum(1) * y.cumprod(0),
     "sort_topk": lambda x, y, m: x.sort(1).values + x.topk(6, 1).values,
     "dtype_casts": lambda x, y, m: (x.to(torch.float64) * 2).to(torch.float32) + x.half().float(),
     "inplace_chain": lambda x, y, m: x.clone().mul_(2).add_(y).clamp_(min=0),
-    "masked_fill_scatter": lambda x, y, m: x.masked_fill(y > 0, 0.5).scatter_add(1, torch.zeros(4, 6, dtype=torch.long), y),
-    "einsum_bmm": lambda x, y, m: torch.einsum("ij,jk->ik", x, m) + torch.bmm(x.unsqueeze(0), m.unsqueeze(0))[0],
+    "masked_fill_scatter": lambda x, y, m: x.masked_fill(y > 0, 0.5).scatter_add(
+        1, torch.zeros(4, 6, dtype=torch.long), y),
+    "einsum_bmm": lambda x, y, m: (torch.einsum("ij,jk->ik", x, m)
+                                   + torch.bmm(x.unsqueeze(0), m.unsqueeze(0))[0]),
     "conv1d": lambda x, y, m: F.conv1d(x.unsqueeze(0), y[:, :3].unsqueeze(1).repeat(1, 4, 1))[0],
     "data_dependent": lambda x, y, m: x[x > 0].sum() + x.nonzero().float().sum(),
 }

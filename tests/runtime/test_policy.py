@@ -4,13 +4,10 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
-from adaptive_eager.runtime.compiler import CountingCompiler, use_compiler
-from adaptive_eager.runtime.policy import KeyState
-from helpers import assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
+from adaptive_eager.runtime.compiler import use_compiler
+from adaptive_eager.runtime.entries import KeyState
+from adaptive_eager.testing import CountingCompiler
+from helpers import assert_equal, chain
 
 
 def _entries():

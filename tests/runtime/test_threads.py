@@ -16,15 +16,7 @@ from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
 from adaptive_eager.runtime.worker import CompileRequest, CompileResult, CompileWorker
-from helpers import assert_equal
-
-
-def chain(x):
-    return ((x * 2 + 1).sin() * 3).cos()
-
-
-def other(x):
-    return ((x - 1).exp() * 2).tanh()
+from helpers import assert_equal, chain, other
 
 
 def _in_thread(target, *args):
@@ -199,7 +191,7 @@ def test_two_threads_touching_kernels_while_the_lru_evicts():
     variants = []
     for entry in entries:
         with table._lock:
-            table._install(entry, lambda *args: None)
+            table.loaded.install(entry, lambda *args: None)
             variants.append(table.kernels[entry.digest])
     runs_before = sum(entry.fused_runs for entry in entries)
 
@@ -211,7 +203,7 @@ def test_two_threads_touching_kernels_while_the_lru_evicts():
                 table.touch_eager(variants[(rounds + 1) % 4], 1e-4)
             else:                             # kernels arriving, evicting others
                 with table._lock:             # as every install does
-                    table._install(entries[rounds % 4], lambda *args: None)
+                    table.loaded.install(entries[rounds % 4], lambda *args: None)
             rounds += 1
         return rounds
     touched, _ = _hammer(work)

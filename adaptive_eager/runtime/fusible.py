@@ -1,0 +1,72 @@
+"""Is a hot segment worth a kernel at all? ``unfusible_reason`` says why not, as a counted reason.
+
+Too few compute ops, an op whose Inductor kernel is known to fail, ops too cheap for any
+kernel to beat eager, time spent mostly in extern ops (Note [Predicted saving],
+runtime/scheduling.py), or an output that overlaps itself.
+"""
+from __future__ import annotations
+
+import math
+
+from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS
+from adaptive_eager.runtime import scheduling
+from adaptive_eager.runtime.entries import MIN_COMPUTE_OPS, KeyEntry
+from adaptive_eager.runtime.segment import Segment
+
+
+def _grad_enabled(segment: Segment, op) -> bool:
+    """Was ``segment`` recorded with autograd on (its key context says)?"""
+    return segment.context[KEY_CONTEXT_FIELDS.index("grad_enabled")]
+
+
+# Ops whose Inductor kernels compile but fail when run (torch 2.13): a segment holding one
+# would cost a compile (10 s here) only to run per-op for good (kernel_error). Each maps to
+# the calls that fail, given (segment, op).
+def _accumulates_one_index_on_cpu(segment: Segment, op) -> bool:
+    """An ``index_put(..., accumulate=True)`` on the CPU whose index tensors hold one element
+    (the gradient of ``t[..., [i], :]``)."""
+    accumulate = op.args[3] if len(op.args) > 3 else dict(op.kwargs).get("accumulate")
+    meta = op.out_metas[0] if op.out_metas else None
+    indices = [index for index in op.args[1] if index is not None] if len(op.args) > 1 else []
+    return getattr(accumulate, "value", False) is True and meta is not None \
+        and meta.device.type == "cpu" and bool(indices) \
+        and all(math.prod(getattr(index, "shape", (0,))) == 1 for index in indices)
+
+
+_KERNELS_FAIL = {
+    # LSTM on CPU with autograd on (train or eval mode): "expected Tensor() for op:
+    # aten.mkldnn_rnn_layer" at run time. Under no_grad it compiles and runs.
+    "aten::mkldnn_rnn_layer": _grad_enabled,
+    # Falcon's backward (the gradient of its fused-QKV split, ``qkv[..., [-2], :]``): the CPU
+    # kernels of its two 51- and 64-op segments corrupted the heap when run (a crash, which
+    # probation cannot catch); without them the model trains as in eager. Not reproduced
+    # with that index_put alone under torch.compile: kept out, as narrowly as the evidence
+    # allows (one-element index tensors, as Falcon's ``[-2]``), until the cause is known.
+    "aten::index_put": _accumulates_one_index_on_cpu,
+}
+
+
+def _kernel_would_fail(segment: Segment) -> bool:
+    for op in segment.ops:
+        fails = _KERNELS_FAIL.get(op.func.name())
+        if fails is not None and fails(segment, op):
+            return True
+    return False
+
+
+def unfusible_reason(segment: Segment, entry: KeyEntry) -> str | None:
+    if segment.compute_ops < MIN_COMPUTE_OPS:
+        return "too_few_ops"
+    if _kernel_would_fail(segment):
+        return "compiler_unsupported"
+    if entry.too_cheap:
+        return "too_cheap"                 # see MIN_SEGMENT_US and MIN_US_PER_OP (config)
+    if scheduling.extern_bound(entry):
+        return "extern_bound"              # matmuls take its time (Note [Predicted saving])
+    if any(_overlaps_itself(segment.out_meta(ref)) for ref in segment.live_refs):
+        return "overlapping_output"        # a kernel cannot write one memory cell twice
+    return None
+
+
+def _overlaps_itself(meta) -> bool:
+    return any(stride == 0 and size > 1 for size, stride in zip(meta.shape, meta.stride))
