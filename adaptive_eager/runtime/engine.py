@@ -549,6 +549,10 @@ class Runtime:
         Returns True when the segment is over (it ran fused, or per-op beside its kernel on
         trial); False when it was replayed and the builder goes on recording it as a cold
         segment."""
+        with torch._C._AutoDispatchBelowADInplaceOrView():   # Note [Ops above autograd]
+            return self._finish_hot()
+
+    def _finish_hot(self) -> bool:
         node, self._hot = self._hot, None
         builder = self._builder
         live = builder.live_refs()
