@@ -39,7 +39,7 @@ from adaptive_eager.config import config
 from adaptive_eager.dispatch import control
 from adaptive_eager.dispatch.escapes import raw_untyped_storage
 from adaptive_eager.dispatch.interceptor import not_intercepted
-from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
+from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify_call
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
 from adaptive_eager.fork_safety import reinit_in_child
 from adaptive_eager.runtime import clock
@@ -283,7 +283,7 @@ class Runtime:
             self._ops_seen += 1
             self._busy_thread = threading.get_ident()
             try:
-                return self._dispatch(func, classify(func), args, kwargs)
+                return self._dispatch(func, classify_call(func, args, kwargs), args, kwargs)
             finally:
                 self._busy_thread = None
 
