@@ -4,6 +4,18 @@ A dispatch mode sits below autograd, so it sees forward ops after decomposition,
 op and the optimizer's ``_foreach_*`` ops (a ``__torch_function__`` mode would miss backward).
 The mode stack is thread-local, and the autograd engine carries it into its worker threads, so
 the backward of a graph built under this mode reaches the same runtime.
+
+# Note [Ops above autograd]
+A mode sees nearly every op below autograd: the op's autograd kernel took autograd and
+ADInplaceOrView out of the thread's dispatch state before passing it on. Not all: the detach
+autograd itself calls when a node saves one of its outputs for backward (exp, tanh, softmax,
+attention) reaches the mode with autograd active. Work the runtime does of its own when such an
+op ends a segment (a kernel, a per-op replay, a check) was recorded by autograd: the stand-in
+kernel's copy into an output the user holds gave that output a CopyBackwards node over a second
+copy of the segment's ops, and the next backward ran them twice (a GPT-2 training step: 115
+autograd nodes became 171, and segments diverged). So a deferred run ends below autograd
+(Runtime._end_hot), as a flush from outside the mode does (engine.below_autograd); the C++
+backend hands every op over below autograd anyway (Note [Below ADInplaceOrView], csrc).
 """
 from __future__ import annotations
 

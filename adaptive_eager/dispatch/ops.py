@@ -186,3 +186,28 @@ def classify(func: torch._ops.OpOverload) -> OpClass:
         return _CLASS_CACHE[func]
     except KeyError:
         return _CLASS_CACHE.setdefault(func, _classify(func))
+
+
+# Note [Random only through dropout]
+# Attention ops are tagged nondeterministic_seeded because they can apply dropout. The CPU one
+# draws nothing with ``dropout_p == 0`` (what every model passes when generating, and most when
+# training) and refuses any other value: F.scaled_dot_product_attention with dropout takes the
+# math path, whose bernoulli_ stays a RANDOM boundary. Classed RANDOM, each attention call ended
+# its segment: a Llama decode step was cut in three per layer. So a call with ``dropout_p == 0``
+# is FUSIBLE (extern: Inductor calls the same kernel); any other stays RANDOM, run eagerly as
+# eager runs it. The CUDA attention ops are left RANDOM: untested here. Name -> position of
+# dropout_p (also accepted as a keyword; encoded calls hold it as a ScalarArg).
+_SEEDED_ONLY_BY_DROPOUT = {"aten::_scaled_dot_product_flash_attention_for_cpu": 3}
+_DROPOUT_FREE = OpClass(OpKind.FUSIBLE, extern=True)
+
+
+def classify_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> OpClass:
+    """The OpClass of one call: ``classify(func)``, but Note [Random only through dropout]."""
+    op_class = classify(func)
+    if op_class.reason is not Reason.RANDOM:
+        return op_class
+    position = _SEEDED_ONLY_BY_DROPOUT.get(func.name())
+    if position is None:
+        return op_class
+    dropout_p = args[position] if len(args) > position else kwargs.get("dropout_p", 0.0)
+    return _DROPOUT_FREE if getattr(dropout_p, "value", dropout_p) == 0 else op_class

@@ -39,7 +39,7 @@ from adaptive_eager.config import config
 from adaptive_eager.dispatch import control
 from adaptive_eager.dispatch.escapes import raw_untyped_storage
 from adaptive_eager.dispatch.interceptor import not_intercepted
-from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify
+from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify_call
 from adaptive_eager.dispatch.signature import Unkeyable, key_context
 from adaptive_eager.fork_safety import reinit_in_child
 from adaptive_eager.runtime import clock
@@ -287,7 +287,7 @@ class Runtime:
             self._ops_seen += 1
             self._busy_thread = threading.get_ident()
             try:
-                return self._dispatch(func, classify(func), args, kwargs)
+                return self._dispatch(func, classify_call(func, args, kwargs), args, kwargs)
             finally:
                 self._busy_thread = None
 
@@ -579,6 +579,10 @@ class Runtime:
         Returns True when the segment is over (it ran fused, or per-op beside its kernel on
         trial); False when it was replayed and the builder goes on recording it as a cold
         segment."""
+        with torch._C._AutoDispatchBelowADInplaceOrView():   # Note [Ops above autograd]
+            return self._finish_hot()
+
+    def _finish_hot(self) -> bool:
         node, self._hot = self._hot, None
         builder = self._builder
         live = builder.live_refs()

@@ -37,11 +37,24 @@ _KERNELS_FAIL = {
     # LSTM on CPU with autograd on (train or eval mode): "expected Tensor() for op:
     # aten.mkldnn_rnn_layer" at run time. Under no_grad it compiles and runs.
     "aten::mkldnn_rnn_layer": _grad_enabled,
-    # Falcon's backward (the gradient of its fused-QKV split, ``qkv[..., [-2], :]``): the CPU
-    # kernels of its two 51- and 64-op segments corrupted the heap when run (a crash, which
-    # probation cannot catch); without them the model trains as in eager. Not reproduced
-    # with that index_put alone under torch.compile: kept out, as narrowly as the evidence
-    # allows (one-element index tensors, as Falcon's ``[-2]``), until the cause is known.
+    # Note [Accumulating index_put on the CPU]: an Inductor bug (torch 2.13, C++ backend).
+    # Falcon's backward (the gradient of its fused-QKV split, ``qkv[..., [-2], :]``) holds
+    # index_put(zeros, [None, None, i], values, accumulate=True) with one-element ``i`` and
+    # ``values`` read through a transposed layout. Inductor's kernel then runs a 2-D tiled
+    # loop whose atomic add stores at ``48*x1 + 96*x1_inner`` where ``48*(x1 + x1_inner)``
+    # is due (96: the stride of the values' size-1 dim): wrong sums, and writes past the
+    # output, which corrupted the heap (Falcon crashed with SIGSEGV or SIGABRT before
+    # probation could judge the kernel). The stand-in compiler runs the same segments as
+    # eager; in a small segment probation catches the wrong sums (kernel_mismatch 8.2).
+    # Without the runtime (tests/runtime/test_policy.py runs it, in a child process):
+    #     def f(x, y, i):
+    #         v = (x * y).transpose(1, 2)                          # (2, 12, 1, 8)
+    #         return aten.index_put(v.new_zeros(2, 12, 6, 8), [None, None, i], v, True)
+    #     x, y = torch.randn(2, 1, 8, 12).transpose(2, 3), torch.randn(1, 1, 12, 8)
+    #     torch.compile(f)(x, y, torch.tensor([-1]))    # max abs error 8.2 against f(...)
+    # Two-element index tensors, values read in their own layout, or accumulate=False compile
+    # right; whether a segment's loop is tiled is Inductor's choice, so every CPU segment with
+    # a one-element accumulating index_put stays per-op.
     "aten::index_put": _accumulates_one_index_on_cpu,
 }
 

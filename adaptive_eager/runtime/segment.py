@@ -137,13 +137,13 @@ def to_wire(segment: Segment) -> tuple:
 
 def from_wire(wire: tuple) -> Segment:
     """Inverse of ``to_wire`` (without the key context, which only keys need)."""
-    from adaptive_eager.dispatch.ops import classify
+    from adaptive_eager.dispatch.ops import classify_call
     wire_ops, input_metas, live_refs = wire
     ops = []
     for namespace, name, overload, args, kwargs, container, out_metas in wire_ops:
         func = getattr(getattr(getattr(torch.ops, namespace), name), overload)
-        ops.append(OpRecord(func, classify(func), args, kwargs, container, out_metas,
-                            (func, args, kwargs)))
+        ops.append(OpRecord(func, classify_call(func, args, dict(kwargs)), args, kwargs,
+                            container, out_metas, (func, args, kwargs)))
     return Segment(tuple(ops), input_metas, live_refs, ())
 
 

@@ -94,3 +94,37 @@ def test_saved_results_are_shown_again_in_the_suite_order(tmp_path, capsys):
     text = page.read_text()
     assert text.index("| Llama |") < text.index("| Mistral |")       # the suite's order
     assert "1 of 2 architectures (50%)" in text
+
+
+def test_the_parity_phases_share_one_kernel_cache(monkeypatch):
+    """Note [One parity cache]: every child gets the same kernel cache directory."""
+    import io
+    import json
+    import subprocess
+    from adaptive_eager.benchmarks import coverage_table
+    directories = []
+
+    def child(command, env, **kwargs):
+        directories.append(env["NEURON_ADAPTIVE_EAGER_CACHE_DIR"])
+        arch = command[command.index("--arch") + 1]
+        with open(command[command.index("--out") + 1], "w") as file:
+            json.dump(_result(arch, "pass").as_dict(), file)
+        return subprocess.CompletedProcess(command, 0, "", "")
+    monkeypatch.setattr(coverage_table.subprocess, "run", child)
+    results = coverage_table.run(ARCHITECTURES[:3], stream=io.StringIO())
+    assert [result.name for result in results] == [a.model_type for a in ARCHITECTURES[:3]]
+    assert len(directories) == 3 and len(set(directories)) == 1, directories
+
+
+def test_one_json_holds_the_table_and_the_decode_results(tmp_path):
+    from adaptive_eager.benchmarks import coverage_table
+    saved = [_result("Llama", "pass", "pass", "pass")]
+    saved = [dataclasses.replace(saved[0], model_type="llama")]
+    decode = {"static": {"tokens_per_s": {"eager": 10.0, "runtime": 12.0},
+                         "fused_fraction": 0.5, "mismatches": []}}
+    path = str(tmp_path / "coverage.json")
+    coverage_table.write_json(saved, path, decode)
+    results, loaded = coverage_table.load([path], ARCHITECTURES)
+    assert results == saved and loaded == decode
+    page = coverage_table.markdown(results, "adaptive-eager bench --coverage", loaded)
+    assert "| static | 10 | 12 | 1.20x | - | - | 50% | none |" in page

@@ -56,3 +56,21 @@ def test_collectives_are_boundaries():
     importlib.import_module("torch.distributed._functional_collectives")  # registers the ops
     op = torch.ops._c10d_functional.all_reduce.default
     assert classify(op).reason is Reason.COLLECTIVE
+
+
+def test_attention_without_dropout_is_fusible_with_dropout_random():
+    # Note [Random only through dropout]: the CPU kernel draws nothing without dropout.
+    from adaptive_eager.dispatch.ops import classify_call
+    from adaptive_eager.dispatch.signature import ScalarArg
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(1, 2, 4, 8)
+    assert classify(op).reason is Reason.RANDOM
+    for args, kwargs in [((q, q, q), {}), ((q, q, q, 0.0, True), {}),
+                         ((q, q, q), {"dropout_p": 0.0}), ((q, q, q, ScalarArg(float, 0.0)), {})]:
+        assert classify_call(op, args, kwargs).kind is OpKind.FUSIBLE, (args[3:], kwargs)
+        assert classify_call(op, args, kwargs).extern
+    for args, kwargs in [((q, q, q, 0.1), {}), ((q, q, q), {"dropout_p": 0.1}),
+                         ((q, q, q, ScalarArg(float, 0.5)), {})]:
+        assert classify_call(op, args, kwargs).reason is Reason.RANDOM, (args[3:], kwargs)
+    assert classify_call(aten.native_dropout.default, (q, 0.0, True), {}).reason is Reason.RANDOM
+    assert classify_call(aten.add.Tensor, (q, q), {}) is classify(aten.add.Tensor)

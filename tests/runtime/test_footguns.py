@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
+from adaptive_eager.config import config
 from adaptive_eager.runtime import engine
 from helpers import assert_equal, chain
 
@@ -383,6 +384,37 @@ def test_dropout_keeps_the_generator_stream():
     assert ae.stats().fallbacks["random"] >= 5
     assert_equal(got, expected)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def _autograd_nodes(tensor) -> list:
+    seen, stack = set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack += [parent for parent, _ in node.next_functions]
+    return sorted(type(node).__name__ for node in seen)
+
+
+def test_a_segment_ending_where_autograd_saves_an_output_stays_out_of_the_graph(backend):
+    """Note [Ops above autograd] (dispatch/mode.py): exp saves its output for backward, and
+    the detach autograd makes of it reaches the runtime above autograd; the segment [mul, exp]
+    ends there (MAX_SEGMENT_OPS=2) and its kernel must not be recorded into the graph."""
+    x = torch.randn(64, requires_grad=True)
+
+    def step():
+        return ((x * 2).exp() * 3).sum()
+    expected_nodes = _autograd_nodes(step())
+    for _ in range(4):
+        step().backward()
+    expected_grad, x.grad = x.grad, None
+    with config.patch(MAX_SEGMENT_OPS=2), ae.enabled():
+        for _ in range(4):
+            out = step()
+            assert _autograd_nodes(out) == expected_nodes
+            out.backward()
+    assert ae.stats().fused_executions >= 2, ae.stats()
+    assert_equal(x.grad, expected_grad, bitwise=True)
 
 
 def test_outputs_are_plain_tensors_with_eager_autograd_metadata():
