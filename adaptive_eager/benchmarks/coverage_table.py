@@ -1,6 +1,7 @@
 """``adaptive-eager bench --coverage``: each architecture of the coverage suite in a fresh
-process with empty caches (``coverage.main``), then the table: text on stdout, optionally
-markdown (docs/coverage.md) and JSON. Formatting only; coverage.py measured everything."""
+process (``coverage.main``; Note [One parity cache]), then the table: text on stdout,
+optionally markdown (docs/coverage.md) and JSON. Formatting only; coverage.py measured
+everything."""
 from __future__ import annotations
 
 import datetime
@@ -18,6 +19,16 @@ from adaptive_eager.benchmarks.runner import PlanError, child_env
 
 CHILD_TIMEOUT_S = 1800
 
+# Note [One parity cache]
+# The parity phase compiles every hot segment with Inductor, in the program's thread: about 40
+# compiles of 2-3 s per architecture, which put a whole run near 75 minutes on 2 cores, and the
+# table was stitched from partial runs. The architectures share their tiny dimensions (hidden
+# 32, vocabulary 128) and many segments (Mistral's are Llama's), so the children's parity phases
+# share one kernel cache directory: a segment compiled for one architecture is loaded from disk
+# by the next (Llama's parity took 126 s, Mistral's after it 18 s). Parity still checks real
+# Inductor kernels, loaded ones included. The timing phase starts from an empty cache of its own
+# (coverage.check_architecture), as a user's first run does.
+
 
 def choose(names) -> list:
     """The architectures named by model type (all when none); PlanError for unknown names."""
@@ -34,15 +45,20 @@ def _failed(arch, reason: str) -> Coverage:
                     (Check("train", FAIL, reason),), 0, 0, {}, {})
 
 
-def run_child(arch, timing: bool = True) -> Coverage:
-    """One architecture in a fresh process; a child that dies is a failure with its reason."""
+def run_child(arch, timing: bool = True, parity_cache: str | None = None) -> Coverage:
+    """One architecture in a fresh process (its parity phase on the kernel cache directory
+    ``parity_cache`` when given: Note [One parity cache]); a child that dies is a failure with
+    its reason."""
     with tempfile.TemporaryDirectory(prefix=f"ae-coverage-{arch.model_type}-") as directory:
         out = os.path.join(directory, "result.json")
         command = [sys.executable, "-m", "adaptive_eager.benchmarks.coverage",
                    "--arch", arch.model_type, "--out", out] + ([] if timing else ["--no-timing"])
+        env = child_env(directory)
+        if parity_cache:
+            env["NEURON_ADAPTIVE_EAGER_CACHE_DIR"] = parity_cache
         try:
-            done = subprocess.run(command, env=child_env(directory), capture_output=True,
-                                  text=True, timeout=CHILD_TIMEOUT_S)
+            done = subprocess.run(command, env=env, capture_output=True, text=True,
+                                  timeout=CHILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return _failed(arch, f"timed out after {CHILD_TIMEOUT_S} s")
         if done.returncode != 0 or not os.path.exists(out):
@@ -53,14 +69,19 @@ def run_child(arch, timing: bool = True) -> Coverage:
 
 
 def run(archs, timing: bool = True, stream=None, json_path: str | None = None) -> list[Coverage]:
-    """Every architecture in turn; with ``json_path``, the results so far are written after
-    each (a long run that is stopped keeps what it measured)."""
-    stream = stream or sys.stderr
+    """Every architecture in turn, their parity phases on one kernel cache (Note [One parity
+    cache]); with ``json_path``, the results so far are written after each (a long run that is
+    stopped keeps what it measured)."""
+    with tempfile.TemporaryDirectory(prefix="ae-coverage-parity-") as parity_cache:
+        return _run(archs, timing, stream or sys.stderr, json_path, parity_cache)
+
+
+def _run(archs, timing: bool, stream, json_path: str | None, parity_cache: str) -> list:
     results = []
     for index, arch in enumerate(archs, 1):
         print(f"[{index}/{len(archs)}] {arch.name} … ", end="", file=stream, flush=True)
         started = time.perf_counter()
-        result = run_child(arch, timing)
+        result = run_child(arch, timing, parity_cache)
         verdict = "pass" if result.passed else "FAIL: " + "; ".join(
             f"{c.name}: {c.reason}" for c in result.checks if c.status == FAIL)
         print(f"{time.perf_counter() - started:.0f} s, {verdict}", file=stream, flush=True)
@@ -70,9 +91,12 @@ def run(archs, timing: bool = True, stream=None, json_path: str | None = None) -
     return results
 
 
-def write_json(results: list[Coverage], path: str) -> None:
+def write_json(results: list[Coverage], path: str, decode: dict | None = None) -> None:
+    """The results as a list; with ``decode``, {"architectures": that list, "decode": it}."""
+    data = [result.as_dict() for result in results]
     with open(path, "w") as file:
-        json.dump([result.as_dict() for result in results], file, indent=1)
+        json.dump(data if decode is None else {"architectures": data, "decode": decode}, file,
+                  indent=1)
 
 
 def run_decode() -> dict:
@@ -122,13 +146,16 @@ def decode_section(decode: dict) -> list[str]:
 
 
 def load(paths, archs) -> tuple[list[Coverage], dict | None]:
-    """Results saved by earlier runs (``--json``: a list; decode.py: a dict), in the order of
-    ``archs``, the first file's result winning; architectures no file holds are left out."""
+    """Results saved by earlier runs (``--json``: a list, or a dict of it and the decode
+    results; decode.py: a dict), in the order of ``archs``, the first file's result winning;
+    architectures no file holds are left out."""
     found, decode = {}, None
     for path in paths:
         with open(path) as file:
             data = json.load(file)
-        if isinstance(data, dict):
+        if isinstance(data, dict) and "architectures" in data:
+            data, decode = data["architectures"], data.get("decode", decode)
+        elif isinstance(data, dict):
             decode = data
             continue
         for entry in data:
@@ -220,9 +247,10 @@ def markdown(results: list[Coverage], command: str, decode: dict | None = None,
     parts = [
         "# Real-model coverage", "",
         f"Generated by `{command}` on {datetime.date.today().isoformat()}: each architecture "
-        f"in a fresh process with empty caches, compiled by TorchInductor "
-        f"(`TORCHINDUCTOR_VEC_ISA_OK=1`: the ISA probe skipped). Machine: "
-        f"{report.machine_line(info)}.", "",
+        f"in a fresh process, compiled by TorchInductor (`TORCHINDUCTOR_VEC_ISA_OK=1`: the "
+        f"ISA probe skipped); the parity phases share one kernel cache, so a segment that an "
+        f"earlier architecture compiled is loaded, and each timing phase starts from an empty "
+        f"one. Machine: {report.machine_line(info)}.", "",
         *([note, ""] if note else []),
         f"**{headline(results)}**", "",
         "Each architecture is a `transformers` model built from a tiny config (2 layers, "
@@ -260,4 +288,4 @@ def write(results: list[Coverage], command: str, markdown_path: str | None,
         with open(markdown_path, "w") as file:
             file.write(markdown(results, command, decode, note))
     if json_path:
-        write_json(results, json_path)
+        write_json(results, json_path, decode)
