@@ -86,8 +86,8 @@ def test_a_good_kernel_passes_probation_once():
 
 
 def masked(x):
-    """Dropout's pattern: the segment ends with an empty_like that the random op after it
-    fills, so what the segment leaves in that buffer is undefined, in eager too."""
+    """Dropout's pattern: an empty_like that the random op after it fills (what it holds
+    before is undefined, in eager too)."""
     y = (x * 2).sin()
     mask = torch.empty_like(y)
     mask.bernoulli_(0.5)
@@ -103,10 +103,12 @@ def test_uninitialized_outputs_are_not_checked(verify):
     with config.patch(VERIFY=verify), ae.enabled():
         got = [masked(x) for _ in range(6)]
         ae.sync()
-        ending_in_the_buffer = {entry.state for entry in engine.shared_table().entries()
-                                if entry.segment.ops[-1].func is torch.ops.aten.empty_like.default}
+        holding_the_buffer = [entry for entry in engine.shared_table().entries()
+                              if any(op.func is torch.ops.aten.empty_like.default
+                                     for op in entry.segment.ops)]
     assert_equal(got, expected)
-    assert ending_in_the_buffer == {KeyState.COLD, KeyState.READY}   # the first step's, the rest
+    assert holding_the_buffer == []           # an uninitialized allocation is a boundary
+    assert ae.stats().fallbacks["uninitialized"] >= 6
     assert "kernel_mismatch" not in ae.stats().fallbacks and ae.stats().fused_executions >= 3
 
 
