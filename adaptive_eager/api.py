@@ -261,11 +261,13 @@ def control_point() -> None:
         interceptor.deactivate()
         _paused_until[runtime] = clock.monotonic() + seconds
         decide("paused", seconds=seconds)
-    elif runtime in _paused_until and (_banked_a_kernel(runtime)
-                                       or clock.monotonic() >= _paused_until[runtime]):
-        del _paused_until[runtime]
-        interceptor.activate()
-        decide("resumed")
+    elif runtime in _paused_until:
+        landed = _banked_a_kernel(runtime)
+        if landed or clock.monotonic() >= _paused_until[runtime]:
+            del _paused_until[runtime]
+            runtime.resumed(kernel_landed=landed)
+            interceptor.activate()
+            decide("resumed")
     if isinstance(interceptor, interceptors.PythonInterceptor) and interceptors.switch_ready(
             interceptor):
         _switch_backend()

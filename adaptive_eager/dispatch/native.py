@@ -6,7 +6,7 @@ The extension is compiled with ``torch.utils.cpp_extension.load`` into
 loads an old build, and processes sharing the cache directory build it once (``load`` holds a
 lock file in that directory while it builds; a second process waits for it, then finds it
 built). The build takes 10-30 s, so it never happens in the program: ``prepare()`` imports a
-finished build at once (a few ms) or starts one in a niced subprocess and returns; a daemon
+finished build at once (a few ms) or starts one in a subprocess and returns; a daemon
 thread waits for it (no CPU, no GIL) and marks it landed; the program runs on the Python mode
 meanwhile and switches at its next control point (dispatch/interceptor.py). No compiler, a
 failed build or a key someone else took: one log line, and the Python mode for good. The
@@ -182,8 +182,9 @@ def forget() -> None:
 
 def _build(directory: str, sources: list[str]) -> None:
     """The build subprocess: compile (or wait for another process compiling) into
-    ``directory``. Errors go to stderr, which is BUILD_LOG there."""
-    os.nice(10)
+    ``directory``. Errors go to stderr, which is BUILD_LOG there. At the program's priority,
+    like the compile worker (Note [Why a process] in runtime/worker.py): niced beside a busy
+    program, it would take many minutes."""
     from torch.utils.cpp_extension import load
     load(name=NAME, sources=sources, build_directory=directory, extra_cflags=["-O2"],
          verbose=True)

@@ -566,6 +566,15 @@ class Runtime:
                                                                    PAUSE_LONGEST_S)
         return seconds
 
+    def resumed(self, kernel_landed: bool) -> None:
+        """A pause ended. One that ended because a kernel landed gives the kernel a chance
+        to run before keys still due may pause again: they weigh as beside a running kernel
+        (_weight) for PAUSE_WINDOW segments. Without that, a training loop resumed at its
+        optimizer step paused again within that step, before its forward, whose kernel had
+        landed, ever ran fused."""
+        if kernel_landed:
+            self._segments_since_kernel = 0
+
     def awaited_kernel_landed(self) -> bool:
         """Did the compile this pause waits for end (a kernel, or a failure)? Polls."""
         if self.awaited_answers is None:

@@ -30,7 +30,9 @@ kernel lands.
 
 Due keys compile one at a time, the one that banked the most savings first (the worker
 compiles one graph at a time anyway; queued in the worker they would go first come, first
-served). The program keeps all its threads: the worker runs at a lower priority.
+served). The program keeps all its threads; the worker runs beside them at the program's
+priority, so a compile takes the share of the machine its cost above assumes (Note [Why a
+process]).
 """
 from __future__ import annotations
 

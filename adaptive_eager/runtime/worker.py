@@ -5,7 +5,9 @@ throughput lost), two compile threads crash Inductor, and it breaks the user's o
 torch.compile (docs/design.md, "Compile worker"). So hot segments go to one worker process,
 started with
 ``python -m adaptive_eager.runtime.worker`` (not multiprocessing's spawn, which would re-run the
-user's main module), at lower priority. It compiles one graph at a time (for the program's
+user's main module), at the program's priority: a niced worker (nice 10) on a machine whose
+cores the program keeps busy got a tenth of a core, and a training loop's first compile had
+not landed after four minutes. It compiles one graph at a time (for the program's
 intra-op thread count: Inductor bakes it into CPU kernels), saves the artifact into the shared
 cache directory (or a private temporary one when that cannot be written), and answers with its
 path; the runtime loads it (~7 ms) and swaps the kernel in at a segment boundary. Meanwhile the
@@ -202,10 +204,6 @@ def serve() -> None:
         return
     sys.path[:] = hello["sys_path"]                   # import what the parent can import
     _use_cache_dir(hello["cache_dir"], hello.get("cache_shared", False))
-    try:
-        os.nice(10)
-    except OSError:
-        pass
     from adaptive_eager.cache.store import Store
     store = Store(hello["cache_dir"])
     compilers: dict = {}

@@ -373,3 +373,35 @@ def test_a_training_loop_waits_paused_for_its_kernels_and_resumes_when_one_lands
     assert stats.pauses >= 1 and stats.compiles >= 1 and stats.fused_executions >= 1
     for out in outs:
         assert_equal(out, expected)
+
+
+def test_a_kernel_that_ends_a_pause_runs_before_the_next_compile_pauses_again(pausing):
+    """A pause ends at a control point, here the optimizer step, when a kernel lands; the
+    next key then compiles, which would pause at once, before the step's forward ran the
+    kernel that landed (no fused run for as long as compiles followed one another). The
+    first kernel's result comes; later ones are held."""
+    train, expected = _unchanging_training_loop()
+    table = engine.shared_table()
+    collect = table.compiles._collect
+
+    def first_result_only(wait_s=0.0):
+        if not ae.stats().compiles:
+            collect(wait_s)
+    with config.patch(MIN_SEGMENT_US=0, MIN_US_PER_OP=0, HOT_THRESHOLD=2, ASYNC=True,
+                      COMPILE_TIMEOUT_S=120), ae.enabled():
+        with results_held(table):
+            outs = train(8)               # keys turn hot at step 2, then only wait: pause
+            assert ae.is_paused() and table.compiles_in_flight
+        table.compiles._collect = first_result_only
+        try:
+            deadline = time.monotonic() + 120
+            while not ae.stats().compiles and time.monotonic() < deadline:
+                time.sleep(0.05)
+                outs += train(1)          # resumes at the optimizer step the kernel landed
+            assert ae.stats().compiles == 1 and table.compiles_in_flight
+            outs += train(2)
+            assert ae.stats().fused_executions >= 1
+        finally:
+            del table.compiles._collect
+    for out in outs:
+        assert_equal(out, expected)
