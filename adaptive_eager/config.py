@@ -199,6 +199,9 @@ SETTINGS: tuple[Setting, ...] = (
             "MALLOC_*_ or GLIBC_TUNABLES malloc settings are set. 0: leave malloc alone."),
     Setting("CACHE_DIR", _directory, _default_cache_dir,
             "Where compiled kernels and segment records are kept (shared by processes)."),
+    Setting("EXT_DIR", _directory, lambda: os.path.join(_default_cache_dir(), "ext"),
+            "Where the C++ interception extension is built: once per user, torch version and "
+            "source, for every cache directory (private, like the cache directory)."),
     Setting("CACHE_SHARED", _parse_bool, lambda: False,
             "1: the cache directory is shared with other users on purpose: create it with the "
             "umask's permissions and load its artifacts whoever owns or can write them. 0: "

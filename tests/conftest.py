@@ -39,12 +39,10 @@ from helpers import MECHANICS, FakeClock  # noqa: E402
 @pytest.fixture(scope="session")
 def default_backend() -> str:
     """What a user's program runs on here: cpp where the extension builds (as from a user's
-    second run on; built once per machine into the default cache directory), python where
-    it cannot be (no compiler)."""
-    from adaptive_eager.config import _default_cache_dir
+    second run on; built once per user into EXT_DIR), python where it cannot be (no
+    compiler)."""
     from adaptive_eager.dispatch import native
-    with config.patch(CACHE_DIR=_default_cache_dir()):
-        ext = native.prepare(wait_s=native.BUILD_TIMEOUT_S)
+    ext = native.prepare(wait_s=native.BUILD_TIMEOUT_S)
     return "cpp" if ext is not None else "python"
 
 
@@ -97,12 +95,10 @@ def fake_clock(monkeypatch):
 
 @pytest.fixture(scope="session")
 def cpp_extension():
-    """The C++ interception extension, built once per machine (10-30 s) into the default
-    cache directory (keyed by torch version and source hash, so a stale build never loads)."""
-    from adaptive_eager.config import _default_cache_dir
+    """The C++ interception extension, built once per user (10-30 s) into EXT_DIR (keyed by
+    torch version and source hash, so a stale build never loads)."""
     from adaptive_eager.dispatch import native
-    with config.patch(CACHE_DIR=_default_cache_dir()):
-        ext = native.prepare(wait_s=native.BUILD_TIMEOUT_S)
+    ext = native.prepare(wait_s=native.BUILD_TIMEOUT_S)
     if ext is None and not shutil.which(os.environ.get("CXX", "c++")):
         pytest.skip("no C++ compiler: the cpp backend cannot be built here")
     assert ext is not None, native.failure()

@@ -29,6 +29,7 @@ BAD_VALUES = {
     "BUFFER_POOL_MB": ("-1", "integer >= 0"),
     "MALLOC_TUNING": ("glibc", "1/0"),
     "CACHE_DIR": ("  ", "a directory path"),
+    "EXT_DIR": ("  ", "a directory path"),
     "CACHE_SHARED": ("team", "1/0"),
     "CACHE_SIZE": ("many", "integer >= 1"),
     "MAX_KEYS": ("0", "integer >= 1"),

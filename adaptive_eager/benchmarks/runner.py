@@ -201,8 +201,27 @@ def run(plan: Plan, stream: TextIO | None = None) -> list[Row]:
     """Run the plan, progress on ``stream`` (stderr); rows in plan order."""
     from adaptive_eager.benchmarks.workloads import WORKLOADS
     progress = _Progress(len(plan.runs()), stream or sys.stderr)
+    if "adaptive" in plan.modes:
+        _build_extension(progress.stream)
     rows = []
     for name, size in plan.cases:
         with tempfile.TemporaryDirectory(prefix=f"ae-bench-{name}-{size}-") as directory:
             rows += run_case(WORKLOADS[name], size, plan, progress, directory)
     return rows
+
+
+def _build_extension(stream: TextIO) -> None:
+    """The C++ extension is part of the install, built once per user and torch version
+    (Note [Building the extension]): the adaptive children run with it, as a user's program
+    does from its second run on, and none spends its time on the build (a build beside a
+    child measures the Python mode and a compiler)."""
+    from adaptive_eager.config import config
+    from adaptive_eager.dispatch import native
+    if config.BACKEND == "python" or native.prepare() is not None or native.failure():
+        return
+    print("building the C++ extension (once per user and torch version) … ", end="",
+          file=stream, flush=True)
+    started = time.perf_counter()
+    ext = native.prepare(wait_s=native.BUILD_TIMEOUT_S)
+    outcome = "done" if ext is not None else f"failed: {native.failure()}"
+    print(f"{outcome} ({time.perf_counter() - started:.0f} s)", file=stream, flush=True)

@@ -2,8 +2,10 @@
 
 Note [Building the extension]
 The extension is compiled with ``torch.utils.cpp_extension.load`` into
-``<CACHE_DIR>/ext/<torch version>-<source hash>/``, so a new torch or a changed source never
-loads an old build, and processes sharing the cache directory build it once (``load`` holds a
+``<EXT_DIR>/<torch version>-<source hash>/`` (by default ``ext/`` in the user's default cache
+directory, whatever CACHE_DIR a program sets: it is part of the install, not of a kernel
+cache), so a new torch or a changed source never loads an old build, and the user's
+processes build it once (``load`` holds a
 lock file in that directory while it builds; a second process waits for it, then finds it
 built). The build takes 10-30 s, so it never happens in the program: ``prepare()`` imports a
 finished build at once (a few ms) or starts one in a subprocess and returns; a daemon
@@ -52,7 +54,7 @@ def build_directory() -> str:
         with open(path, "rb") as handle:
             digest.update(handle.read())
     digest = digest.hexdigest()[:16]
-    return os.path.join(config.CACHE_DIR, "ext", f"{torch.__version__}-{digest}")
+    return os.path.join(config.EXT_DIR, f"{torch.__version__}-{digest}")
 
 
 def _library_path(directory: str) -> str:
@@ -83,9 +85,9 @@ def prepare(wait_s: float = 0.0) -> ModuleType | None:
         directory = build_directory()
         if os.path.exists(_library_path(directory)):
             return _load(directory)
-        if trust.distrusted_dir(config.CACHE_DIR):
-            return _fail(f"the cache directory is not private: "
-                         f"{trust.why_untrusted(config.CACHE_DIR, config.CACHE_DIR)}")
+        if trust.distrusted_dir(config.EXT_DIR):
+            return _fail(f"the extension's directory is not private: "
+                         f"{trust.why_untrusted(config.EXT_DIR, config.EXT_DIR)}")
         if _building is None:
             _building = threading.Thread(target=_build_in_background, args=(directory,),
                                          name="adaptive_eager-build", daemon=True)
@@ -110,7 +112,7 @@ def finish() -> ModuleType | None:
 
 def _build_in_background(directory: str) -> None:
     try:
-        trust.make_dirs(config.CACHE_DIR, os.path.relpath(directory, config.CACHE_DIR))
+        trust.make_dirs(config.EXT_DIR, os.path.relpath(directory, config.EXT_DIR))
         env = dict(os.environ)
         env["NEURON_ADAPTIVE_EAGER"] = "0"          # the build must not run under us
         with open(os.path.join(directory, BUILD_LOG), "ab") as output:
@@ -144,7 +146,7 @@ def _load(directory: str) -> ModuleType | None:
     """Import a finished build and register its fallback (holding ``_lock``)."""
     global _module
     started = time.perf_counter()
-    untrusted = trust.why_untrusted(_library_path(directory), config.CACHE_DIR)
+    untrusted = trust.why_untrusted(_library_path(directory), config.EXT_DIR)
     if untrusted:                          # Note [Trusted cache] (cache/trust.py)
         return _fail(f"the built extension is not loaded: {untrusted}")
     try:

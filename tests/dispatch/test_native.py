@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import adaptive_eager as ae
-from adaptive_eager.config import config
+from adaptive_eager.config import _default_cache_dir, config
 from adaptive_eager.dispatch import native
 from helpers import MECHANICS_ENV, assert_equal
 
@@ -116,7 +116,6 @@ def _run(code: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_a_taken_key_falls_back_to_python_with_one_log_line():
-    from adaptive_eager.config import _default_cache_dir
     result = _run("""
         import torch
         lib = torch.library.Library("_", "IMPL")
@@ -126,7 +125,7 @@ def test_a_taken_key_falls_back_to_python_with_one_log_line():
         print("backend", ae.stats().backend, (torch.ones(2) + 1).sum().item())
         ae.disable()
     """, {"NEURON_ADAPTIVE_EAGER_BACKEND": "cpp",
-          "NEURON_ADAPTIVE_EAGER_CACHE_DIR": _default_cache_dir()})
+})
     assert result.returncode == 0, result.stderr
     assert "backend python 4.0" in result.stdout
     lines = [line for line in result.stderr.splitlines() if "C++ interception" in line]
@@ -148,7 +147,8 @@ def test_a_failed_build_falls_back_to_python_with_one_log_line(tmp_path):
         ae.sync()                                      # a control point: would switch
         print("then", ae.stats().backend, native.failure() is not None)
         ae.disable()
-    """, {"NEURON_ADAPTIVE_EAGER_BACKEND": "cpp", "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path)})
+    """, {"NEURON_ADAPTIVE_EAGER_BACKEND": "cpp", "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path),
+          "NEURON_ADAPTIVE_EAGER_EXT_DIR": str(tmp_path / "ext")})
     assert result.returncode == 0, result.stderr
     assert "first python" in result.stdout and "then python True" in result.stdout
     lines = [line for line in result.stderr.splitlines() if "C++ interception" in line]
@@ -158,11 +158,17 @@ def test_a_failed_build_falls_back_to_python_with_one_log_line(tmp_path):
 def test_the_build_directory_is_keyed_by_torch_version_and_source():
     directory = native.build_directory()
     assert torch.__version__ in os.path.basename(directory)
-    assert os.path.dirname(directory) == os.path.join(config.CACHE_DIR, "ext")
+    assert os.path.dirname(directory) == config.EXT_DIR
+
+
+def test_the_extension_is_built_once_per_user_whatever_the_cache_directory(tmp_path):
+    with config.patch(CACHE_DIR=str(tmp_path)):
+        assert os.path.dirname(native.build_directory()) == os.path.join(
+            _default_cache_dir(), "ext")
 
 
 def test_auto_on_a_fresh_machine_starts_on_python_and_switches_to_cpp(tmp_path):
-    """No extension built yet (an empty cache directory): the program starts at once on the
+    """No extension built yet (an empty EXT_DIR): the program starts at once on the
     Python mode while the extension builds in the background, switches to cpp at a control
     point once it lands, and trains as eager does throughout."""
     result = _run("""
@@ -204,12 +210,13 @@ def test_auto_on_a_fresh_machine_starts_on_python_and_switches_to_cpp(tmp_path):
             assert p._version == q._version
         print("equal")
     """, {"NEURON_ADAPTIVE_EAGER_BACKEND": None,         # the default: auto
-          "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path),
+          "NEURON_ADAPTIVE_EAGER_CACHE_DIR": str(tmp_path / "cache"),
+          "NEURON_ADAPTIVE_EAGER_EXT_DIR": str(tmp_path / "ext"),
           "NEURON_ADAPTIVE_EAGER_HOT_THRESHOLD": "2"})
     assert result.returncode == 0, result.stderr
     assert "first python" in result.stdout, result.stdout
     assert "then cpp True" in result.stdout and "equal" in result.stdout, result.stdout
-    assert os.listdir(tmp_path / "ext")                 # built into the cache directory
+    assert os.listdir(tmp_path / "ext")                 # built into EXT_DIR
 
 
 @pytest.mark.parametrize("backend", ["cpp", "python"])
@@ -230,7 +237,6 @@ def test_modules_and_tensor_subclasses_build_under_the_cpp_backend():
     """torch turns dispatch modes off around the detach in Tensor._make_subclass (every
     nn.Parameter) and as_subclass, whose result must have no Python object yet; the C++
     interception must stay off there too (building any module raised before)."""
-    from adaptive_eager.config import _default_cache_dir
     result = _run("""
         import torch
         from torch import nn
@@ -242,6 +248,6 @@ def test_modules_and_tensor_subclasses_build_under_the_cpp_backend():
         print(ae.stats().backend, type(model[0].weight).__name__, type(marked).__name__,
               marked.sum().item(), model(torch.ones(2, 4)).shape[0])
     """, {"NEURON_ADAPTIVE_EAGER": "1", "NEURON_ADAPTIVE_EAGER_BACKEND": "cpp",
-          "NEURON_ADAPTIVE_EAGER_CACHE_DIR": _default_cache_dir()})
+})
     assert result.returncode == 0, result.stderr
     assert "cpp Parameter Marked 6.0 2" in result.stdout, result.stdout

@@ -63,29 +63,12 @@ def _has_artifact(cache_dir: str) -> bool:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def built_extension() -> str | None:
-    """The directory of the C++ extension's builds on this machine (None: it cannot be
-    built here, and the scripts run on the Python mode)."""
-    from adaptive_eager.config import _default_cache_dir, config
+def built_extension() -> None:
+    """The C++ extension built, as it is on a user's machine from the second run on (a first
+    run builds it in the background and starts on the Python mode: tests/dispatch/
+    test_native.py); where it cannot be built, the scripts run on the Python mode."""
     from adaptive_eager.dispatch import native
-    with config.patch(CACHE_DIR=_default_cache_dir()):
-        if native.prepare(wait_s=native.BUILD_TIMEOUT_S) is None:
-            return None
-        return os.path.dirname(native.build_directory())
-
-
-def _with_extension(cache_dir: str) -> None:
-    """A user's cache directory on a machine where the extension was built before, as it is
-    from the second run on (a first run builds it in the background and starts on the Python
-    mode: tests/dispatch/test_native.py): the session's builds, linked in."""
-    from adaptive_eager.config import _default_cache_dir, config
-    from adaptive_eager.dispatch import native
-    with config.patch(CACHE_DIR=_default_cache_dir()):
-        built = os.path.dirname(native.build_directory())
-    link = os.path.join(cache_dir, "ext")
-    if os.path.isdir(built) and not os.path.lexists(link):
-        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
-        os.symlink(built, link)
+    native.prepare(wait_s=native.BUILD_TIMEOUT_S)
 
 
 def _run(tmp_path, name: str, source: str, cache_dir: str, iterations: int = 0,
@@ -93,7 +76,6 @@ def _run(tmp_path, name: str, source: str, cache_dir: str, iterations: int = 0,
     """Run ``source`` under the runtime: (exit report counters, the tensor it saved). With
     ``iterations`` 0 the loop runs until it ran RUN_ON_ITERATIONS more iterations once a
     kernel was in the cache."""
-    _with_extension(cache_dir)
     script, stop = tmp_path / f"{name}.py", tmp_path / f"{name}.stop"
     report, output = tmp_path / f"{name}.json", tmp_path / f"{name}.pt"
     script.write_text(textwrap.dedent(source.format(longest=LONGEST_S)))
