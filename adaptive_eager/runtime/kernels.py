@@ -18,6 +18,7 @@ from adaptive_eager.cache.memory import KernelLRU
 from adaptive_eager.config import config
 from adaptive_eager.runtime.compiler import current_compiler
 from adaptive_eager.runtime.decisions import decide
+from adaptive_eager.runtime.direct_call import fast_call
 from adaptive_eager.runtime.entries import KeyEntry, KeyState
 from adaptive_eager.runtime.gc_freeze import freeze_gc
 from adaptive_eager.runtime.stats import counters
@@ -33,7 +34,7 @@ class LoadedKernels:
         self.lru = KernelLRU(memory_size or config.CACHE_SIZE, self._evicted)
 
     def install(self, entry: KeyEntry, kernel) -> None:
-        kernel = faults.damaged_kernel(kernel)
+        kernel = faults.damaged_kernel(fast_call(kernel))   # Note [Calling the generated code]
         freeze_gc("inductor")
         entry.state = KeyState.READY
         variant = self.trie.insert(entry.segment, kernel, entry)
