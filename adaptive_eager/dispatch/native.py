@@ -112,7 +112,7 @@ def finish() -> ModuleType | None:
 
 def _build_in_background(directory: str) -> None:
     try:
-        trust.make_dirs(config.EXT_DIR, os.path.relpath(directory, config.EXT_DIR))
+        _make_private_dirs(directory)
         env = dict(os.environ)
         env["NEURON_ADAPTIVE_EAGER"] = "0"          # the build must not run under us
         with open(os.path.join(directory, BUILD_LOG), "ab") as output:
@@ -130,6 +130,17 @@ def _build_in_background(directory: str) -> None:
         _landed.set()
         for listener in list(_listeners):
             listener()
+
+
+def _make_private_dirs(directory: str) -> None:
+    """Create ``directory`` below EXT_DIR, private; the default cache directory above the
+    default EXT_DIR too, as the cache would (made by the umask, group-writable under umask
+    002, the cache directory would then be refused: Note [Trusted cache])."""
+    from adaptive_eager.config import _default_cache_dir
+    home = _default_cache_dir()
+    if os.path.dirname(os.path.abspath(config.EXT_DIR)) == os.path.abspath(home):
+        trust.make_dirs(home)
+    trust.make_dirs(config.EXT_DIR, os.path.relpath(directory, config.EXT_DIR))
 
 
 def when_landed(listener) -> None:

@@ -251,3 +251,18 @@ def test_modules_and_tensor_subclasses_build_under_the_cpp_backend():
 })
     assert result.returncode == 0, result.stderr
     assert "cpp Parameter Marked 6.0 2" in result.stdout, result.stdout
+
+
+def test_the_default_extension_directory_and_the_cache_above_it_are_private(tmp_path):
+    """Made by the umask (group-writable under 002), the default cache directory above the
+    default EXT_DIR would then be refused as a cache (Note [Trusted cache])."""
+    result = _run("""
+        import os
+        os.umask(0o002)
+        from adaptive_eager.dispatch import native
+        native._make_private_dirs(native.build_directory())
+    """, {"XDG_CACHE_HOME": str(tmp_path), "NEURON_ADAPTIVE_EAGER_EXT_DIR": None,
+          "NEURON_ADAPTIVE_EAGER_CACHE_DIR": None})
+    assert result.returncode == 0, result.stderr
+    for directory in (tmp_path / "adaptive_eager", tmp_path / "adaptive_eager" / "ext"):
+        assert directory.stat().st_mode & 0o777 == 0o700, oct(directory.stat().st_mode)
