@@ -28,7 +28,7 @@ import time
 from types import ModuleType
 
 from adaptive_eager.cache import trust
-from adaptive_eager.config import config
+from adaptive_eager.config import _default_cache_dir, config
 
 NAME = "adaptive_eager_intercept"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
@@ -136,7 +136,6 @@ def _make_private_dirs(directory: str) -> None:
     """Create ``directory`` below EXT_DIR, private; the default cache directory above the
     default EXT_DIR too, as the cache would (made by the umask, group-writable under umask
     002, the cache directory would then be refused: Note [Trusted cache])."""
-    from adaptive_eager.config import _default_cache_dir
     home = _default_cache_dir()
     if os.path.dirname(os.path.abspath(config.EXT_DIR)) == os.path.abspath(home):
         trust.make_dirs(home)

@@ -56,7 +56,8 @@ def _generated_call(kernel: Any) -> Callable | None:
     runtime_wrapper = _closure(boxed).get("compiled_fn")
     parts = _closure(runtime_wrapper)
     generated, graph = parts.get("_codegen_runtime_wrapper"), parts.get("_inner_compiled_fn")
-    if not isinstance(graph, CompiledFxGraph) or graph.current_callable is None:
+    if not isinstance(graph, CompiledFxGraph) or graph.current_callable is None or \
+            generated is None:
         return None
     if not set(generated.__code__.co_names) <= PLAIN_WRAPPER_NAMES:
         return None

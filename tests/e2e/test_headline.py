@@ -63,12 +63,10 @@ def _has_artifact(cache_dir: str) -> bool:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def built_extension() -> None:
-    """The C++ extension built, as it is on a user's machine from the second run on (a first
-    run builds it in the background and starts on the Python mode: tests/dispatch/
-    test_native.py); where it cannot be built, the scripts run on the Python mode."""
-    from adaptive_eager.dispatch import native
-    native.prepare(wait_s=native.BUILD_TIMEOUT_S)
+def built_extension(default_backend) -> None:
+    """The C++ extension built before any script runs (conftest's default_backend), as on a
+    user's machine from the second run on; where it cannot be, the scripts run on the Python
+    mode."""
 
 
 def _run(tmp_path, name: str, source: str, cache_dir: str, iterations: int = 0,
