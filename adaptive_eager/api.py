@@ -317,6 +317,9 @@ def sync(wait_compiles: float = 0.0) -> None:
     their kernels in (benchmarks, tests)."""
     for runtime in engine.live_runtimes():
         runtime.flush()
+    table = engine.existing_table()
+    if table is not None:
+        native_plans.touch_pending(table)      # runs C++ made that the table has not counted
     if wait_compiles:
         engine.shared_table().poll_compiles(wait_s=wait_compiles)
     control.permanent_point()       # after the wait: a pause for those kernels ends here

@@ -18,22 +18,17 @@
 // their TensorImpl and their storage; an output is live while either survives (a view or
 // autograd's shallow copy holds the storage: Note [Shallow copies]).
 #include "hot_path.h"
+#include "plans.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
-#include <c10/core/GradMode.h>
-#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
-#include <pybind11/complex.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstring>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -41,127 +36,23 @@
 #include <vector>
 
 namespace py = pybind11;
-using c10::DispatchKey;
 using c10::DispatchKeySet;
 using c10::IValue;
 
 namespace adaptive_eager {
 namespace {
 
-constexpr DispatchKey kKey = DispatchKey::Fake;
-const DispatchKeySet kBelow(DispatchKeySet::FULL_AFTER, kKey);
-const DispatchKeySet kHidden =
-    c10::autograd_dispatch_keyset_with_ADInplaceOrView | DispatchKeySet(kKey);
 constexpr int64_t kAlignmentBytes = 16;
 
-enum class Kind : int8_t { Fusible = 0, View = 1, Mutating = 2 };
-
-struct Ref {
-  int32_t op;      // -1: the segment's external input `index`
-  int32_t index;   // else output `index` of op `op`
-  bool operator==(const Ref& other) const { return op == other.op && index == other.index; }
-  bool operator<(const Ref& other) const {
-    return op < other.op || (op == other.op && index < other.index);
-  }
-};
-
-struct Meta {
-  std::vector<int64_t> sizes, strides;
-  c10::ScalarType dtype;
-  c10::Device device{c10::kCPU};
-  at::TensorOptions options() const { return at::TensorOptions().dtype(dtype).device(device); }
-};
-
-struct TensorSpec {
-  Ref ref;
-  Meta meta;
-  bool aligned;
-};
-
-struct ArgSpec {
-  // WrappedNumber: a Python number passed for a Tensor argument (a 0-dim CPU tensor marked
-  // as such, which Python's engine sees and keys as the number: 2.0 in x * 2.0).
-  enum Type : int8_t { Value, Tensor, TensorList, WrappedNumber } type;
-  IValue value;               // Value (the schema default where omitted), WrappedNumber
-  std::vector<std::optional<TensorSpec>> tensors;  // Tensor: one; TensorList: each (None)
-};
-
-struct OpSpec {
-  int64_t node_id;                 // Python's trie node: equal ids, equal calls
-  c10::OperatorHandle op;
-  Kind kind;
-  std::vector<ArgSpec> args;       // one per schema argument
-  std::vector<Meta> outs;          // Fusible: its flat outputs
-  bool list_return = false;        // Fusible: returns one Tensor[]
-  std::vector<int> returned_args;  // Mutating: the schema argument each return is
-  std::vector<int> written_lists;  // foreach in-place: lists whose versions eager bumps
-};
-
-struct Context {
-  c10::ScalarType default_dtype;
-  bool grad, inference, autocast_cpu, autocast_cuda, deterministic;
-  c10::ScalarType autocast_cpu_dtype;
-  bool operator==(const Context& o) const {
-    return default_dtype == o.default_dtype && grad == o.grad && inference == o.inference &&
-           autocast_cpu == o.autocast_cpu && autocast_cuda == o.autocast_cuda &&
-           deterministic == o.deterministic && autocast_cpu_dtype == o.autocast_cpu_dtype;
-  }
-};
-
-Context current_context() {
-  return Context{c10::get_default_dtype_as_scalartype(),
-                 c10::GradMode::is_enabled(),
-                 c10::InferenceMode::is_enabled(),
-                 at::autocast::is_autocast_enabled(at::kCPU),
-                 at::autocast::is_autocast_enabled(at::kCUDA),
-                 at::globalContext().deterministicAlgorithms(),
-                 at::autocast::get_autocast_dtype(at::kCPU)};
-}
-
-// A Python object that may be released on any thread (the GIL taken), or leaked at exit.
-struct PyRef {
-  PyObject* obj = nullptr;
-  explicit PyRef(py::handle h) : obj(h.inc_ref().ptr()) {}
-  PyRef(const PyRef&) = delete;
-  ~PyRef() {
-    if (obj != nullptr && Py_IsInitialized()) {
-      py::gil_scoped_acquire gil;
-      Py_DECREF(obj);
-    }
-  }
-};
-
-// One registered kernel: the path of calls to it and what it writes.
-struct Plan {
-  int64_t handle;
-  Context context;
-  std::vector<OpSpec> ops;
-  std::vector<Ref> live;            // the outputs the kernel writes, in its buffers' order
-  std::vector<Ref> final_results;   // Note [Results thrown away] (runtime/segment.py)
-  bool mutates;
-  std::shared_ptr<PyRef> segment;   // Python's Segment, for takeover
-};
-
-struct Node {
-  const OpSpec* spec = nullptr;     // the call that leads here (root: none)
-  std::vector<std::unique_ptr<Node>> children;
-  std::vector<const Plan*> plans;   // kernels ending here
-  const Plan* any_plan = nullptr;   // a plan through here (its path is this node's)
-  int depth = 0;
-};
-
-struct Trie {
-  std::vector<std::shared_ptr<const Plan>> plans;
-  std::vector<std::pair<Context, std::unique_ptr<Node>>> roots;
-};
-
-std::mutex g_trie_mutex;
-std::shared_ptr<const Trie> g_trie;            // replaced whole on every change
-std::atomic<uint64_t> g_generation{0};
-std::map<int64_t, std::shared_ptr<const Plan>> g_plans;   // under g_trie_mutex
 std::atomic<int64_t> g_ops_deferred{0}, g_fused_runs{0}, g_fused_ops{0}, g_takeovers{0};
+std::atomic<int64_t> g_cold_runs{0}, g_cold_ops{0}, g_cold_misses{0};
 PyObject* g_launch = nullptr;                   // launch(handle, inputs, buffers, seconds)
 PyObject* g_takeover = nullptr;                 // takeover(segment, depth, inputs, outputs)
+PyObject* g_harvest = nullptr;                  // harvest(): take the cold plans' counts
+// A thread harvests after this many cold runs, or this much of their wall time, whichever
+// comes first (native_plans.HARVEST_EVERY, HARVEST_AFTER_S).
+std::atomic<int64_t> g_harvest_every{64};
+std::atomic<double> g_harvest_after_s{0.002};
 PyObject* g_retry = nullptr;                    // on_op's answer: a segment just ended here
 // Storages of tensors that share a numpy array's memory (Note [Outside memory]): by address.
 std::mutex g_outside_mutex;
@@ -240,6 +131,8 @@ Layout layout_of(const at::Tensor& t) {
 struct Run {
   std::shared_ptr<const Trie> trie;   // the snapshot the run walks (plans stay alive)
   const Node* node = nullptr;
+  bool cold = false;                  // on a cold plan's path: its ops run at once
+  double compute_s = 0.0, extern_s = 0.0;   // cold: inside its ops, and extern ones
   std::vector<at::Tensor> inputs;
   std::unordered_map<const c10::TensorImpl*, Ref> known;   // valid: weakly held below
   std::vector<std::vector<WeakImpl>> outputs;              // per op, flat (takeover)
@@ -255,45 +148,19 @@ struct Run {
     outputs.clear();
     computed.clear();
     layouts.clear();
+    cold = false;
+    compute_s = extern_s = 0.0;
   }
 };
 
 thread_local Run t_run;
 thread_local bool t_open = false;       // Python's engine has a segment open on this thread
+thread_local int64_t t_cold_since_harvest = 0;
+thread_local double t_cold_s_since_harvest = 0.0;
 thread_local bool t_hot = false;        // this thread's runtime runs on C++ (not a thread
                                         // that only inherited the key, e.g. autograd's)
-thread_local uint64_t t_generation = ~uint64_t{0};
-thread_local std::shared_ptr<const Trie> t_trie;
 
 // ------------------------------------------------------------------ matching
-
-bool same_value(const IValue& spec, const IValue& actual) {
-  if (spec.isNone()) return actual.isNone();
-  if (spec.isBool()) return actual.isBool() && spec.toBool() == actual.toBool();
-  if (spec.isInt()) {
-    if (actual.isInt()) return spec.toInt() == actual.toInt();
-    if (actual.isSymInt()) return actual.toSymInt().maybe_as_int() == spec.toInt();
-    return false;
-  }
-  if (spec.isDouble()) {       // bitwise: -0.0 and 0.0 compute differently
-    if (!actual.isDouble()) return false;
-    double a = spec.toDouble(), b = actual.toDouble();
-    return std::memcmp(&a, &b, sizeof a) == 0;
-  }
-  if (spec.isComplexDouble())
-    return actual.isComplexDouble() && spec.toComplexDouble() == actual.toComplexDouble();
-  if (spec.isString()) return actual.isString() && spec.toStringRef() == actual.toStringRef();
-  if (spec.isDevice()) return actual.isDevice() && spec.toDevice() == actual.toDevice();
-  if (spec.isList()) {
-    if (!actual.isList()) return false;
-    auto a = spec.toListRef(), b = actual.toListRef();
-    if (a.size() != b.size()) return false;
-    for (size_t i = 0; i < a.size(); ++i)
-      if (!same_value(a[i], b[i])) return false;
-    return true;
-  }
-  return false;
-}
 
 bool same_number(const IValue& spec, const at::Tensor& t) {
   if (!t.defined() || !t.unsafeGetTensorImpl()->is_wrapped_number() || !t.is_cpu()) return false;
@@ -305,18 +172,6 @@ bool same_number(const IValue& spec, const at::Tensor& t) {
       return same_value(spec, IValue(*t.const_data_ptr<c10::complex<double>>()));
     default: return false;
   }
-}
-
-bool supported_value(const IValue& v) {
-  if (v.isNone() || v.isBool() || v.isInt() || v.isDouble() || v.isComplexDouble() ||
-      v.isString() || v.isDevice())
-    return true;
-  if (v.isList()) {
-    for (const auto& item : v.toListRef())
-      if (!supported_value(item)) return false;
-    return true;
-  }
-  return false;
 }
 
 bool shares_outside_memory(const at::Tensor& t) {
@@ -423,12 +278,17 @@ void remember_output(Run& run, const at::Tensor& t, Ref ref, bool computed, bool
     run.computed.push_back(Output{ref, WeakImpl(t.getIntrusivePtr()), storage, pooled});
 }
 
-void defer(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKeySet ks,
-           torch::jit::Stack* stack, Pending& pending) {
+// A matched call's new external inputs join the run.
+void commit_inputs(Run& run, Pending& pending) {
   for (auto& t : pending) {
     run.known[t.unsafeGetTensorImpl()] = Ref{-1, static_cast<int32_t>(run.inputs.size())};
     run.inputs.push_back(std::move(t));
   }
+}
+
+void defer(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKeySet ks,
+           torch::jit::Stack* stack, Pending& pending) {
+  commit_inputs(run, pending);
   const OpSpec& spec = *node.spec;
   const int32_t index = node.depth - 1;
   run.outputs.emplace_back();
@@ -473,13 +333,62 @@ void defer(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKe
   g_ops_deferred.fetch_add(1, std::memory_order_relaxed);
 }
 
+// ------------------------------------------------------------------ cold runs
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Note [Cold plans] (plans.cpp): the op runs now, as Python's cold path runs it (its thread
+// state, then the version bumps eager makes for foreach in-place ops: runtime/engine.py,
+// _run_cold), timed; its outputs are remembered so later calls of the path match.
+void run_cold(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKeySet ks,
+              torch::jit::Stack* stack, Pending& pending) {
+  commit_inputs(run, pending);
+  const OpSpec& spec = *node.spec;
+  const int32_t index = node.depth - 1;
+  run.outputs.emplace_back();
+  std::vector<at::Tensor> written;
+  if (!spec.written_lists.empty()) {
+    auto args = torch::jit::last(*stack, spec.args.size());
+    for (int position : spec.written_lists)
+      for (const at::Tensor& t : args[position].toTensorVector()) written.push_back(t);
+  }
+  auto started = std::chrono::steady_clock::now();
+  {
+    c10::impl::ExcludeDispatchKeyGuard guard(kHidden);   // Note [Below ADInplaceOrView]
+    op.redispatchBoxed(ks & kBelow, stack);
+  }
+  double seconds = seconds_since(started);
+  run.compute_s += seconds;
+  if (spec.extern_op) run.extern_s += seconds;
+  for (const at::Tensor& t : written)
+    if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+  if (spec.kind != Kind::Mutating) {      // a mutating op returns tensors the run knows
+    auto returns = torch::jit::last(*stack, op.schema().returns().size());
+    const bool computed = spec.kind == Kind::Fusible;
+    int32_t k = 0;
+    for (const IValue& value : returns) {
+      if (value.isTensor()) {
+        remember_output(run, value.toTensor(), Ref{index, k++}, computed, false);
+      } else if (value.isTensorList()) {
+        for (const at::Tensor& t : value.toTensorVector())
+          remember_output(run, t, Ref{index, k++}, computed, false);
+      }
+    }
+  }
+  run.node = &node;
+  g_cold_ops.fetch_add(1, std::memory_order_relaxed);
+}
+
 bool advance(Run& run, const c10::OperatorHandle& op, DispatchKeySet ks,
              torch::jit::Stack* stack) {
   Pending pending;
   for (const auto& child : run.node->children) {
     pending.clear();
     if (call_matches(run, *child->spec, op, stack, pending)) {
-      defer(run, *child, op, ks, stack, pending);
+      if (run.cold) run_cold(run, *child, op, ks, stack, pending);
+      else defer(run, *child, op, ks, stack, pending);
       return true;
     }
   }
@@ -625,8 +534,57 @@ void take_over(Run& run) {
   Py_DECREF(result);
 }
 
+// The cold plan ending at the run's node whose key's live outputs are the run's.
+const Plan* cold_plan_for(const Run& run) {
+  if (run.node->plans.empty()) return nullptr;
+  std::vector<Ref> live = live_refs(run);
+  for (const Plan* plan : run.node->plans) {
+    std::vector<Ref> key_live(plan->live.begin(), plan->live.end());
+    std::sort(key_live.begin(), key_live.end());
+    if (key_live == live) return plan;
+  }
+  return nullptr;
+}
+
+void harvest() {
+  t_cold_since_harvest = 0;
+  t_cold_s_since_harvest = 0.0;
+  if (g_harvest == nullptr) return;
+  c10::impl::ExcludeDispatchKeyGuard guard(kHidden);
+  py::gil_scoped_acquire gil;
+  PyObject* result = PyObject_CallNoArgs(g_harvest);
+  if (result == nullptr) throw py::error_already_set();
+  Py_DECREF(result);
+}
+
+// Count the run against its plan, or as a miss of the path (Note [Cold plans]).
+void end_cold_run(Run& run) {
+  double wall_s = seconds_since(run.started);
+  const Plan* plan = cold_plan_for(run);
+  const Plan* charged = plan != nullptr ? plan : run.node->any_plan;
+  {
+    std::lock_guard<std::mutex> lock(charged->counts_mutex);
+    ColdCounts& counts = charged->counts;
+    if (plan != nullptr) {
+      counts.runs += 1;
+      counts.wall_s += wall_s;
+      counts.compute_s = std::min(counts.compute_s, run.compute_s);
+      counts.fusible_s = std::min(counts.fusible_s, run.compute_s - run.extern_s);
+    } else {
+      counts.misses += 1;
+    }
+  }
+  (plan != nullptr ? g_cold_runs : g_cold_misses).fetch_add(1, std::memory_order_relaxed);
+  run.clear();
+  t_cold_s_since_harvest += wall_s;
+  if (++t_cold_since_harvest >= g_harvest_every.load(std::memory_order_relaxed) ||
+      t_cold_s_since_harvest >= g_harvest_after_s.load(std::memory_order_relaxed))
+    harvest();
+}
+
 void end_run(Run& current) {
   if (current.node == nullptr) return;
+  if (current.cold) return end_cold_run(current);
   // Moved out first: a flush that the kernel's own Python code sets off (an escape such as
   // data_ptr) finds nothing deferred instead of ending this run twice.
   Run run = std::move(current);
@@ -643,169 +601,6 @@ void end_run(Run& current) {
   take_over(run);
 }
 
-// ------------------------------------------------------------------ the trie
-
-const Node* root_for(const Trie& trie, const Context& context) {
-  for (const auto& [root_context, root] : trie.roots)
-    if (root_context == context) return root.get();
-  return nullptr;
-}
-
-std::shared_ptr<const Trie> build_trie() {     // under g_trie_mutex
-  auto trie = std::make_shared<Trie>();
-  for (const auto& [handle, plan] : g_plans) {
-    trie->plans.push_back(plan);
-    Node* node = nullptr;
-    for (auto& [context, root] : trie->roots)
-      if (context == plan->context) node = root.get();
-    if (node == nullptr) {
-      trie->roots.emplace_back(plan->context, std::make_unique<Node>());
-      node = trie->roots.back().second.get();
-    }
-    node->any_plan = node->any_plan ? node->any_plan : plan.get();
-    for (const OpSpec& spec : plan->ops) {
-      Node* next = nullptr;
-      for (auto& child : node->children)
-        if (child->spec->node_id == spec.node_id) next = child.get();
-      if (next == nullptr) {
-        node->children.push_back(std::make_unique<Node>());
-        next = node->children.back().get();
-        next->spec = &spec;
-        next->depth = node->depth + 1;
-        next->any_plan = plan.get();
-      }
-      node = next;
-    }
-    node->plans.push_back(plan.get());
-  }
-  return trie;
-}
-
-void publish() {                               // under g_trie_mutex
-  std::shared_ptr<const Trie> trie = g_plans.empty() ? nullptr : build_trie();
-  g_trie = std::move(trie);
-  g_generation.fetch_add(1, std::memory_order_release);
-}
-
-const std::shared_ptr<const Trie>& current_trie() {
-  uint64_t generation = g_generation.load(std::memory_order_acquire);
-  if (generation != t_generation) {
-    std::lock_guard<std::mutex> lock(g_trie_mutex);
-    t_trie = g_trie;
-    t_generation = g_generation.load(std::memory_order_relaxed);
-  }
-  return t_trie;
-}
-
-// ------------------------------------------------------------------ registration
-
-Meta meta_from(const py::tuple& t) {      // (sizes, strides, dtype, device)
-  Meta meta;
-  meta.sizes = t[0].cast<std::vector<int64_t>>();
-  meta.strides = t[1].cast<std::vector<int64_t>>();
-  meta.dtype = reinterpret_cast<THPDtype*>(t[2].ptr())->scalar_type;
-  meta.device = c10::Device(t[3].cast<std::string>());
-  return meta;
-}
-
-TensorSpec tensor_spec_from(const py::tuple& t) {   // (op, index, sizes, strides, dtype, device, aligned)
-  TensorSpec spec;
-  spec.ref = Ref{t[0].cast<int32_t>(), t[1].cast<int32_t>()};
-  spec.meta = meta_from(py::make_tuple(t[2], t[3], t[4], t[5]));
-  spec.aligned = t[6].cast<bool>();
-  return spec;
-}
-
-ArgSpec arg_spec_from(const c10::Argument& argument, const py::tuple& t) {
-  ArgSpec spec;
-  std::string type = t[0].cast<std::string>();
-  if (type == "d") {                   // omitted: the schema's default
-    TORCH_CHECK(argument.default_value().has_value(), "no default for ", argument.name());
-    spec.type = ArgSpec::Value;
-    spec.value = *argument.default_value();
-  } else if (type == "v") {
-    spec.type = ArgSpec::Value;
-    spec.value = torch::jit::toIValue(t[1], argument.real_type());
-  } else if (type == "w") {         // ("w", number, kind): b, i, f or c
-    spec.type = ArgSpec::WrappedNumber;
-    auto kind = t[2].cast<std::string>();
-    if (kind == "b") spec.value = IValue(t[1].cast<bool>());
-    else if (kind == "i") spec.value = IValue(t[1].cast<int64_t>());
-    else if (kind == "f") spec.value = IValue(t[1].cast<double>());
-    else spec.value = IValue(c10::complex<double>(t[1].cast<std::complex<double>>()));
-  } else if (type == "t") {
-    spec.type = ArgSpec::Tensor;
-    spec.tensors.emplace_back(tensor_spec_from(t[1].cast<py::tuple>()));
-  } else {
-    TORCH_CHECK(type == "l", "unknown argument spec ", type);
-    spec.type = ArgSpec::TensorList;
-    for (auto item : t[1].cast<py::list>()) {
-      if (item.is_none()) spec.tensors.emplace_back(std::nullopt);
-      else spec.tensors.emplace_back(tensor_spec_from(item.cast<py::tuple>()));
-    }
-  }
-  TORCH_CHECK(spec.type == ArgSpec::Tensor || spec.type == ArgSpec::TensorList ||
-                  supported_value(spec.value),
-              "unsupported value for ", argument.name());
-  return spec;
-}
-
-// (node_id, name, overload, kind, args, outs, list_return, returned_args, written_lists)
-OpSpec op_spec_from(const py::tuple& t) {
-  auto name = t[1].cast<std::string>(), overload = t[2].cast<std::string>();
-  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
-  OpSpec spec{t[0].cast<int64_t>(), handle, static_cast<Kind>(t[3].cast<int>())};
-  const auto& arguments = handle.schema().arguments();
-  auto args = t[4].cast<py::list>();
-  TORCH_CHECK(args.size() == arguments.size(), "one spec per schema argument");
-  for (size_t i = 0; i < arguments.size(); ++i)
-    spec.args.push_back(arg_spec_from(arguments[i], args[i].cast<py::tuple>()));
-  for (auto out : t[5].cast<py::list>()) spec.outs.push_back(meta_from(out.cast<py::tuple>()));
-  spec.list_return = t[6].cast<bool>();
-  spec.returned_args = t[7].cast<std::vector<int>>();
-  spec.written_lists = t[8].cast<std::vector<int>>();
-  return spec;
-}
-
-Context context_from(const py::tuple& t) {
-  auto dtype = [](py::handle h) { return reinterpret_cast<THPDtype*>(h.ptr())->scalar_type; };
-  return Context{dtype(t[0]), t[1].cast<bool>(), t[2].cast<bool>(), t[3].cast<bool>(),
-                 t[5].cast<bool>(), t[6].cast<bool>(), dtype(t[4])};
-}
-
-std::vector<Ref> refs_from(const py::list& list) {
-  std::vector<Ref> refs;
-  for (auto item : list) {
-    auto pair = item.cast<py::tuple>();
-    refs.push_back(Ref{pair[0].cast<int32_t>(), pair[1].cast<int32_t>()});
-  }
-  return refs;
-}
-
-// "" when registered; else why the plan stays with Python's hot path.
-std::string plan_add(int64_t handle, py::object segment, py::tuple context, py::list ops,
-                     py::list live, py::list final_results, bool mutates) {
-  auto plan = std::make_shared<Plan>();
-  try {
-    plan->handle = handle;
-    plan->context = context_from(context);
-    for (auto op : ops) plan->ops.push_back(op_spec_from(op.cast<py::tuple>()));
-    plan->live = refs_from(live);
-    plan->final_results = refs_from(final_results);
-    plan->mutates = mutates;
-    plan->segment = std::make_shared<PyRef>(segment);
-  } catch (const std::exception& err) {
-    std::string message = err.what();
-    return message.substr(0, message.find('\n'));
-  }
-  TORCH_CHECK(!plan->ops.empty(), "a plan needs ops");
-  py::gil_scoped_release no_gil;       // other threads' current_trie() take the mutex
-  std::lock_guard<std::mutex> lock(g_trie_mutex);
-  g_plans[handle] = std::move(plan);
-  publish();
-  return "";
-}
-
 }  // namespace
 
 bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
@@ -818,38 +613,34 @@ bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::S
   if (t_open) return false;
   const auto& trie = current_trie();
   if (!trie) return false;
-  const Node* root = root_for(*trie, current_context());
-  if (root == nullptr) return false;
-  run.trie = trie;
-  run.node = root;
-  run.started = std::chrono::steady_clock::now();
-  if (advance(run, op, ks, stack)) return true;
-  run.clear();
+  const Context context = current_context();
+  for (bool cold : {false, true}) {       // a settled kernel first
+    const Node* root = root_for(cold ? trie->cold_roots : trie->kernel_roots, context);
+    if (root == nullptr) continue;
+    run.trie = trie;
+    run.node = root;
+    run.cold = cold;
+    run.started = std::chrono::steady_clock::now();
+    if (advance(run, op, ks, stack)) return true;
+    run.clear();
+  }
   return false;
 }
 
 bool is_retry(PyObject* answer) { return answer == g_retry && answer != nullptr; }
 
 void define_hot_path(py::module& m) {
-  m.def("plan_add", &plan_add, "Register a settled kernel's path; '' or why not.");
-  m.def("plan_remove", [](int64_t handle) {
-    py::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(g_trie_mutex);
-    if (g_plans.erase(handle)) publish();
-  });
-  m.def("plan_clear", [] {
-    py::gil_scoped_release no_gil;
-    std::lock_guard<std::mutex> lock(g_trie_mutex);
-    g_plans.clear();
-    publish();
-  });
-  m.def("set_hot_callbacks", [](py::object launch, py::object takeover, py::object retry) {
-    Py_XDECREF(g_launch);
-    Py_XDECREF(g_takeover);
-    Py_XDECREF(g_retry);
+  define_plans(m);
+  m.def("set_hot_callbacks", [](py::object launch, py::object takeover, py::object retry,
+                                py::object harvest, int64_t harvest_every,
+                                double harvest_after_s) {
+    for (PyObject* old : {g_launch, g_takeover, g_retry, g_harvest}) Py_XDECREF(old);
     g_launch = launch.inc_ref().ptr();
     g_takeover = takeover.inc_ref().ptr();
     g_retry = retry.inc_ref().ptr();
+    g_harvest = harvest.inc_ref().ptr();
+    g_harvest_every = harvest_every > 0 ? harvest_every : 1;
+    g_harvest_after_s = harvest_after_s;
   });
   m.def("hot_path_off", [] { g_off = true; },
         "For good, in this process (a forked child: no lock is taken, another thread of the "
@@ -867,8 +658,12 @@ void define_hot_path(py::module& m) {
   }, "Does this thread's runtime run on the C++ hot path? Returns the previous state.");
   m.def("set_open", [](bool open) { t_open = open; },
         "Does Python's engine have a segment open on this thread (no new run starts)?");
-  m.def("run_pending", [] { return t_run.node != nullptr; });
-  m.def("end_run", [] { end_run(t_run); }, "End this thread's deferred run (fused or Python's).");
+  m.def("run_pending", [] { return t_run.node != nullptr && !t_run.cold; },
+        "Does this thread have deferred work?");
+  m.def("cold_run_pending", [] { return t_run.node != nullptr && t_run.cold; },
+        "Is this thread on a cold plan's path (Note [Cold plans])?");
+  m.def("end_run", [] { end_run(t_run); },
+        "End this thread's run: a deferred one fused or Python's, a cold one counted.");
   m.def("note_outside", [](py::object tensor) {
     const at::Tensor& t = THPVariable_Unpack(tensor.ptr());
     if (!t.has_storage()) return;
@@ -881,8 +676,11 @@ void define_hot_path(py::module& m) {
   }, "A tensor sharing outside memory (Note [Outside memory]): never a deferred input.");
   m.def("take_counts", [] {
     return py::make_tuple(g_ops_deferred.exchange(0), g_fused_runs.exchange(0),
-                          g_fused_ops.exchange(0), g_takeovers.exchange(0));
-  }, "(ops deferred, fused runs, fused ops, takeovers) since the last call.");
+                          g_fused_ops.exchange(0), g_takeovers.exchange(0),
+                          g_cold_ops.exchange(0), g_cold_runs.exchange(0),
+                          g_cold_misses.exchange(0));
+  }, "(ops deferred, fused runs, fused ops, takeovers, cold ops, cold runs, cold misses) "
+     "since the last call.");
 }
 
 }  // namespace adaptive_eager

@@ -17,3 +17,9 @@ import time
 
 perf_counter = time.perf_counter
 monotonic = time.monotonic
+
+
+def is_the_machines() -> bool:
+    """Is the clock the machine's (not one a test states)? Times measured in C++ are the
+    machine's: where a test states times, they must not decide policy."""
+    return perf_counter is time.perf_counter

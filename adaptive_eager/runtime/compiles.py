@@ -68,9 +68,9 @@ class Compiles:
         self.start_due()
         return True
 
-    def bank(self, entry: KeyEntry) -> None:
-        """One more per-op run of a waiting ``entry``; start what is due."""
-        self._queue.bank(entry)
+    def bank(self, entry: KeyEntry, runs: int = 1) -> None:
+        """``runs`` more per-op runs of a waiting ``entry``; start what is due."""
+        self._queue.bank(entry, runs)
         self.start_due()
 
     def discard(self, entry: KeyEntry) -> None:

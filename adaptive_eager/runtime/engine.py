@@ -307,6 +307,14 @@ class Runtime:
         return native is not None and threading.get_ident() == self.owner_thread and \
             native.run_pending()
 
+    def _native_cold_run(self) -> bool:
+        """Is this thread on a C++ cold plan's path (Note [Cold plans] in csrc/plans.cpp)?
+        A segment end ends it, where Python's recording would end; deferred work to run (an
+        escape) does not: it has none."""
+        native = self.native
+        return native is not None and threading.get_ident() == self.owner_thread and \
+            native.cold_run_pending()
+
     def segment_open(self) -> bool:
         """Is a segment being recorded or deferred here (the C++ hot path starts none)?"""
         return self._hot is not None or bool(self._builder)
@@ -321,7 +329,7 @@ class Runtime:
         Safe to call from anywhere outside the mode; a no-op while this thread is inside it."""
         if self._busy_thread == threading.get_ident():
             return
-        if self._native_run_pending():
+        if self._native_run_pending() or (end_segment and self._native_cold_run()):
             with self._lock, below_autograd():
                 self.native.end_run()          # fused, or now ours (adopt_native_run)
         if self._hot is None and not (end_segment and self._builder):
@@ -458,6 +466,8 @@ class Runtime:
                                        builder.compute_seconds, builder.extern_seconds)
             self.unpaid_s += min(max(0.0, seconds - builder.compute_seconds),
                                  len(builder) * MOST_INTERCEPTION_S_PER_OP)
+            if self.native is not None:
+                native_plans.watch(entry, self.native)   # Note [Cold plans] (csrc/plans.cpp)
             self._watch(entry)
 
     def _watch_kernel(self, variant) -> None:

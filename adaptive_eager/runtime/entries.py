@@ -75,6 +75,8 @@ class KeyEntry:
                                        # steps (Note [When to compile])?
     credited_at: float = 0.0           # its banked savings run up to here
     seen_noted: int = 0                # of ``seen``, how many the disk cache was told of
+    cold_plan: int | None = None       # the C++ cold plan running it (Note [Cold plans])
+    cold_refused: bool = False         # C++ cannot, or should not, run it cold
 
     @functools.cached_property
     def digest(self) -> str:

@@ -21,6 +21,7 @@ from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.direct_call import fast_call
 from adaptive_eager.runtime.entries import KeyEntry, KeyState
 from adaptive_eager.runtime.gc_freeze import freeze_gc
+from adaptive_eager.runtime import native_plans
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, Variant
 from adaptive_eager.runtime.worker import is_transfer_file
@@ -37,6 +38,7 @@ class LoadedKernels:
         kernel = faults.damaged_kernel(fast_call(kernel))   # Note [Calling the generated code]
         freeze_gc("inductor")
         entry.state = KeyState.READY
+        native_plans.unwatch(entry)               # Python's engine runs it now
         variant = self.trie.insert(entry.segment, kernel, entry)
         self.lru[entry.digest] = variant          # may evict the least recently used
 

@@ -66,6 +66,16 @@ class KeyBook:
             self._records.recall(entry)
         return entry
 
+    def sight_again(self, entry: KeyEntry, runs: int) -> bool:
+        """``runs`` more sightings of a known ``entry`` (Note [Cold plans] in
+        csrc/plans.cpp); False if it was forgotten meanwhile."""
+        if self._entries.get(entry.segment.key) is not entry:
+            return False
+        self._entries.move_to_end(entry.segment.key)
+        entry.seen += runs
+        entry.last_seen, entry.last_point = clock.monotonic(), control.points_passed()
+        return True
+
     def _forget_least_recent(self) -> None:
         """Keep at most MAX_KEYS entries: forget the least recently seen that hold no kernel
         of their own and are not compiling (what was decided about them stays on disk), never

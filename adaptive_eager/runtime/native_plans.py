@@ -1,6 +1,8 @@
-"""Which kernels the C++ extension defers and launches itself (Note [The C++ hot path] in
-csrc/hot_path.cpp), and the two calls it makes back: ``launch`` at a fused segment's end and
-``takeover`` for every run it cannot end fused.
+"""What the C++ extension runs without Python: the kernels it defers and launches itself
+(Note [The C++ hot path] in csrc/hot_path.cpp), the cold keys it runs per-op and counts (Note
+[Cold plans] in csrc/plans.cpp), and the calls it makes back: ``launch`` at a fused segment's
+end, ``takeover`` for every run it cannot end fused, ``harvest`` now and then for the
+cold runs.
 
 A kernel is offered once its first fused run passed probation, unless VERIFY is on (its
 per-run check is Python's). Its
@@ -14,7 +16,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 
 import torch
 
@@ -37,8 +38,19 @@ _KINDS = {OpKind.FUSIBLE: 0, OpKind.VIEW: 1, OpKind.MUTATING: 2}
 _CONTEXT_PARTS = ("default_dtype", "grad_enabled", "inference_mode", "autocast_cpu",
                   "autocast_cpu_dtype", "autocast_cuda", "deterministic_algorithms")
 
+# A thread harvests its cold runs (takes their counts into the key table, where keys bank
+# toward their compiles, and polls the compile worker) after HARVEST_EVERY of them or
+# HARVEST_AFTER_S of their time, whichever comes first. A harvest costs ~30 us: under half a
+# microsecond a run of a tiny segment, and a kernel landing waits at most ~2 ms to be seen.
+HARVEST_EVERY = 64
+HARVEST_AFTER_S = 0.002
+# Cold plans registered at once: every change rebuilds the tries (~1 us a node), and a key
+# that stops coming back keeps its plan until it is forgotten (MAX_KEYS).
+MAX_COLD_PLANS = 512
+
 _lock = threading.Lock()
 _variants: dict = {}            # handle -> Variant registered with the extension
+_watched: dict = {}             # handle -> KeyEntry of a cold plan (Note [Cold plans])
 _handles = itertools.count(1)
 _callbacks_set = False
 
@@ -56,7 +68,10 @@ def offer(variant, trie, ext) -> None:
     if variant.native_handle is not None or variant.on_probation or config.VERIFY != "off":
         return
     try:
-        plan = _plan(variant, trie)
+        node_ids = trie.path_ids(variant.segment)
+        if node_ids is None:
+            raise Unsupported("not in the trie")
+        plan = _plan(variant.segment, node_ids, variant.mutates)
     except Unsupported as err:
         variant.native_handle = REFUSED
         log.debug("decision=native_refused key=%s reason=%s", entry.digest, err)
@@ -64,7 +79,7 @@ def offer(variant, trie, ext) -> None:
     _set_callbacks(ext)
     with _lock:
         handle = next(_handles)
-        refused = ext.plan_add(handle, variant.segment, *plan)
+        refused = ext.plan_add(handle, False, variant.segment, *plan)
         variant.native_handle = REFUSED if refused else handle
         if not refused:
             _variants[handle] = variant
@@ -78,8 +93,50 @@ def hot_path_available() -> bool:
 
 
 def registered() -> bool:
-    """Does the extension run any kernel (and know the callbacks)?"""
-    return bool(_variants)
+    """Does the extension run any kernel or cold plan (and know the callbacks)?"""
+    return bool(_variants) or bool(_watched)
+
+
+def watch(entry, ext) -> None:
+    """Note [Cold plans]: after a per-op run of ``entry``'s segment on Python's engine, let
+    C++ run and count its next ones, once the key came back (a key seen once is most often a
+    new shape or a per-step scalar, never seen again) and while it has no kernel (Python's
+    engine defers and checks a new kernel's runs)."""
+    from adaptive_eager.runtime.entries import KeyState    # (entries imports this module)
+    if entry.cold_plan is not None or entry.cold_refused or entry.seen < 2 or \
+            entry.state is KeyState.READY or len(_watched) >= MAX_COLD_PLANS or \
+            not clock.is_the_machines():       # C++ times its runs (Note [Clock])
+        return
+    segment = entry.segment
+    try:
+        mutates = any(op.kind is OpKind.MUTATING for op in segment.ops)
+        plan = _plan(segment, [0] * len(segment.ops), mutates)
+    except Unsupported as err:
+        entry.cold_refused = True
+        log.debug("decision=cold_plan_refused key=%s reason=%s", entry.digest, err)
+        return
+    _set_callbacks(ext)
+    with _lock:
+        handle = next(_handles)
+        refused = ext.plan_add(handle, True, segment, *plan)
+        if refused:
+            entry.cold_refused = True
+        else:
+            entry.cold_plan = handle
+            _watched[handle] = entry
+
+
+def unwatch(entry) -> None:
+    """``entry`` got a kernel, was forgotten, or its plan missed: Python sees its runs again."""
+    handle = entry.cold_plan
+    if handle is None:
+        return
+    ext = native.loaded()
+    with _lock:
+        _watched.pop(handle, None)
+        entry.cold_plan = None
+        if ext is not None:
+            ext.plan_remove(handle)
 
 
 def forget(variant) -> None:
@@ -101,12 +158,19 @@ def clear() -> None:
         for variant in _variants.values():
             variant.native_handle = None
         _variants.clear()
+        for entry in _watched.values():
+            entry.cold_plan = None
+        _watched.clear()
         if ext is not None:
             ext.plan_clear()
 
 
 def touch_pending(table) -> None:
-    """Count the C++ launches ``_launch`` has not counted yet (the table is being written)."""
+    """Count the C++ launches ``_launch`` has not counted yet, and the cold runs not
+    harvested yet (the table is being written)."""
+    ext = native.loaded()
+    if ext is not None and _watched:
+        _take_cold_counts(table, ext)
     with _lock:
         pending = [variant for variant in _variants.values() if variant.untouched_runs]
     for variant in pending:
@@ -123,6 +187,9 @@ def after_fork_in_child() -> None:
     for variant in _variants.values():
         variant.native_handle = REFUSED
     _variants.clear()
+    for entry in _watched.values():
+        entry.cold_plan, entry.cold_refused = None, True
+    _watched.clear()
     ext = native.loaded()
     if ext is not None:
         ext.hot_path_off()
@@ -133,8 +200,12 @@ def publish_counts() -> None:
     ext = native.loaded()
     if ext is None:
         return
-    deferred, fused_runs, fused_ops, _ = ext.take_counts()
-    counters.add("ops_seen", deferred)
+    deferred, fused_runs, fused_ops, _, cold_ops, cold_runs, cold_misses = ext.take_counts()
+    counters.add("ops_seen", deferred + cold_ops)
+    counters.add("per_op_executions", cold_ops)
+    counters.add("native_cold_runs", cold_runs)
+    if cold_misses:
+        counters.fallback("cold_plan_missed", cold_misses)
     counters.add("fused_executions", fused_runs)
     counters.add("native_fused_executions", fused_runs)
     counters.add("fused_ops", fused_ops)
@@ -167,7 +238,7 @@ def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> bool:
     if variant.untouched_runs >= TOUCH_EVERY or not judged:   # a trial counts every run
         # waited_s (deferring its ops, and the program's code between them) is the machine's
         # time, measured in C++; where a test states times (Note [Clock]), the kernel's alone
-        waited_s = waited_s if clock.perf_counter is time.perf_counter else 0.0
+        waited_s = waited_s if clock.is_the_machines() else 0.0
         runtime.table.touch(variant, waited_s + clock.perf_counter() - started,
                             variant.untouched_runs)
         variant.untouched_runs = 0
@@ -180,24 +251,47 @@ def _takeover(segment, depth: int, inputs: list, outputs: list) -> None:
     runtime.adopt_native_run(segment, depth, inputs, outputs)
 
 
+def _harvest() -> None:
+    """Every HARVEST_EVERY cold runs of a thread: count them in the key table (a key may turn
+    due and start its compile) and swap in the kernels the worker finished (a key with a
+    kernel leaves C++'s cold plans then: Python's engine runs it fused)."""
+    runtime = interceptors.current_runtime()
+    ext = native.loaded()
+    if runtime is None or ext is None or runtime.stood_aside:
+        return
+    _take_cold_counts(runtime.table, ext)
+    runtime.table.poll_compiles()
+
+
+def _take_cold_counts(table, ext) -> None:
+    for handle, runs, misses, wall_s, compute_s, fusible_s in ext.take_cold_counts():
+        entry = _watched.get(handle)
+        if entry is None:
+            continue
+        if runs and not table.observe_runs(entry, runs, wall_s, compute_s, fusible_s):
+            unwatch(entry)                     # forgotten meanwhile
+        elif misses > runs:                    # Python's recording finds what comes instead
+            unwatch(entry)
+            entry.cold_refused = True
+            log.debug("decision=cold_plan_dropped key=%s misses=%d runs=%d", entry.digest,
+                      misses, runs)
+
+
 def _set_callbacks(ext) -> None:
     global _callbacks_set
     if not _callbacks_set:
-        ext.set_hot_callbacks(_launch, _takeover, RETRY)
+        ext.set_hot_callbacks(_launch, _takeover, RETRY, _harvest, HARVEST_EVERY,
+                              HARVEST_AFTER_S)
         _callbacks_set = True
 
 
 # ---------------------------------------------------------------- a segment as plain data
 
-def _plan(variant, trie) -> tuple:
+def _plan(segment, node_ids: list, mutates: bool) -> tuple:
     """(context, ops, live refs, final results, mutates): plan_add's arguments."""
-    segment = variant.segment
-    node_ids = trie.path_ids(segment)
-    if node_ids is None:
-        raise Unsupported("not in the trie")
     ops = [_op_spec(record, node_id) for record, node_id in zip(segment.ops, node_ids)]
     live = [_out_ref(ref) for ref in segment.live_refs]
-    return (_context(segment.context), ops, live, _final_results(segment), variant.mutates)
+    return (_context(segment.context), ops, live, _final_results(segment), mutates)
 
 
 def _context(context: tuple) -> tuple:
@@ -253,7 +347,7 @@ def _op_spec(record, node_id: int) -> tuple:
         raise Unsupported(f"{func}: returns")
     written = [names.index(name) for _, name in op_class.written_lists]
     return (node_id, schema.name, schema.overload_name, _KINDS[record.kind], args, outs,
-            list_return, returned, written)
+            list_return, returned, written, bool(op_class.extern))
 
 
 def _outputs(record, schema) -> tuple[list, bool]:

@@ -70,22 +70,41 @@ class KeyTable:
         counters.add("segments_recorded")
         with self._lock:
             entry = self.keys.sight(segment)
-            entry.compute_seconds = min(entry.compute_seconds, compute_seconds)
-            entry.fusible_seconds = min(entry.fusible_seconds, compute_seconds - extern_seconds)
-            entry.add_sample(entry.eager_samples, seconds)
-            threshold = 1 if entry.artifact_path else config.HOT_THRESHOLD
-            if entry.structure.kernel is not None and \
-                    entry.state in (KeyState.COLD, KeyState.MEGAMORPHIC):
-                self.generic.serve(entry)
-            elif entry.state is KeyState.COLD and entry.seen >= threshold:
-                self._turn_hot(entry)
-            elif entry.state is KeyState.WAITING:
-                self.compiles.bank(entry)
-            if entry.seen >= 2 or entry.state not in (KeyState.COLD, KeyState.MEGAMORPHIC):
-                self.records.note_seen(entry)        # a record is due
+            self._count_runs(entry, 1, seconds, compute_seconds,
+                             compute_seconds - extern_seconds)
             self.keys.shrink_seen_once(entry)
         self.records.maybe_flush()
         return entry
+
+    def observe_runs(self, entry: KeyEntry, runs: int, seconds: float,
+                     compute_seconds: float, fusible_seconds: float) -> bool:
+        """``runs`` per-op runs of a known ``entry`` that C++ ran and counted (Note [Cold
+        plans] in csrc/plans.cpp): ``seconds`` of wall time in all; the least time of one
+        inside its ops, and outside extern ops. False: the key was forgotten meanwhile."""
+        with self._lock:
+            if not self.keys.sight_again(entry, runs):
+                return False
+            self._count_runs(entry, runs, seconds / runs, compute_seconds, fusible_seconds)
+        self.records.maybe_flush()
+        return True
+
+    def _count_runs(self, entry: KeyEntry, runs: int, seconds: float,
+                    compute_seconds: float, fusible_seconds: float) -> None:
+        """``entry`` was just seen ``runs`` more times (``seconds`` of wall time each):
+        the decisions that follow."""
+        entry.compute_seconds = min(entry.compute_seconds, compute_seconds)
+        entry.fusible_seconds = min(entry.fusible_seconds, fusible_seconds)
+        entry.add_sample(entry.eager_samples, seconds)
+        threshold = 1 if entry.artifact_path else config.HOT_THRESHOLD
+        if entry.structure.kernel is not None and \
+                entry.state in (KeyState.COLD, KeyState.MEGAMORPHIC):
+            self.generic.serve(entry)
+        elif entry.state is KeyState.COLD and entry.seen >= threshold:
+            self._turn_hot(entry)
+        elif entry.state is KeyState.WAITING:
+            self.compiles.bank(entry, runs)
+        if entry.seen >= 2 or entry.state not in (KeyState.COLD, KeyState.MEGAMORPHIC):
+            self.records.note_seen(entry)        # a record is due
 
     def _turn_hot(self, entry: KeyEntry) -> None:
         counters.add("hot_keys")
@@ -119,6 +138,7 @@ class KeyTable:
         """``entry`` is forgotten: out of the compile queue, and a shape served by a generic
         kernel out of the trie (it is served again after its next per-op run)."""
         self.compiles.discard(entry)       # waiting, but not seen for MAX_KEYS keys
+        native_plans.unwatch(entry)
         variant = self.kernels.get(entry.digest) if entry.generic else None
         if variant is not None:
             self.loaded.drop(variant)

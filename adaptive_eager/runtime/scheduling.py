@@ -111,9 +111,9 @@ class CompileQueue:
             dropped.append(self._waiting.popitem(last=False)[1])
         return dropped
 
-    def bank(self, entry: Any) -> None:
-        """One more per-op run of a waiting ``entry``."""
-        entry.banked_s += max(0.0, predicted_saving_s(entry))
+    def bank(self, entry: Any, runs: int = 1) -> None:
+        """``runs`` more per-op runs of a waiting ``entry``."""
+        entry.banked_s += max(0.0, predicted_saving_s(entry)) * runs
         entry.credited_at = entry.last_seen
         if entry in self:
             self._waiting.move_to_end(entry.digest)

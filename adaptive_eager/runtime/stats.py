@@ -30,6 +30,8 @@ class Stats:
     fused_ops: int = 0
     native_fused_executions: int = 0    # of which deferred and launched by the C++ hot path
     per_op_executions: int = 0
+    native_cold_runs: int = 0       # segments C++ ran per-op without Python (Note [Cold
+                                    # plans] in csrc/plans.cpp)
     divergences: int = 0
     cache_hits_memory: int = 0
     cache_hits_disk: int = 0

@@ -1,0 +1,164 @@
+"""Cold plans (Note [Cold plans] in csrc/plans.cpp): once Python's engine has seen a key
+twice, C++ runs its ops per-op and counts its runs; the key table goes on as if Python had
+recorded each. Plain eager is the oracle: a cold run computes exactly what eager does, with
+the same version counters and autograd graph.
+"""
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager.config import config
+from adaptive_eager.runtime import engine, native_plans
+from adaptive_eager.runtime.entries import KeyState
+from helpers import assert_equal
+
+pytestmark = pytest.mark.usefixtures("cpp_extension")
+
+
+@pytest.fixture(autouse=True)
+def cpp_backend():
+    with config.patch(BACKEND="cpp"):
+        yield
+
+
+def step(x, w):
+    return ((x * w + 1.0).sin() * 3.0).cos().relu() + x
+
+
+def _only_entry():
+    [entry] = engine.shared_table().entries()
+    return entry
+
+
+def test_a_known_key_runs_in_cpp_and_is_counted_as_seen():
+    x, w = torch.randn(256), torch.randn(256)
+    with config.patch(COMPILE=False), ae.enabled():
+        outs = [step(x, w) for _ in range(100)]
+        ae.sync()
+        stats = ae.stats()
+        entry = _only_entry()
+    assert stats.segments_recorded == 2                 # Python saw it twice...
+    assert stats.native_cold_runs == 98, stats          # ...and C++ ran the rest
+    assert entry.seen == 100 and entry.state is KeyState.HOT
+    assert stats.ops_seen == stats.per_op_executions == 100 * 7
+    for out in outs:
+        assert_equal(out, step(x, w), bitwise=True)
+
+
+def test_a_cold_key_banks_toward_its_compile_and_its_kernel_replaces_its_plan():
+    """A key waiting for its compile (Note [When to compile]) banks through C++'s runs: seen
+    twice by Python it could not have banked what the compile costs. The kernel then takes
+    over from the cold plan, and the loop runs fused."""
+    x, w = torch.randn(4096), torch.randn(4096)
+    with config.patch(ASYNC=True, COMPILE_COST_MS=1), ae.enabled():
+        early = [step(x, w) for _ in range(300)]
+        entry = _only_entry()
+        assert entry.state in (KeyState.COMPILING, KeyState.READY), entry.state
+        assert ae.stats().native_cold_runs > 0
+        ae.sync(wait_compiles=120)
+        late = [step(x, w) for _ in range(10)]
+        ae.sync()
+        assert entry.state is KeyState.READY and entry.cold_plan is None
+        assert ae.stats().fused_executions >= 5
+    for out in early + late:
+        assert_equal(out, step(x, w), bitwise=True)
+
+
+def test_foreach_updates_keep_eager_versions_and_values():
+    params = [torch.randn(32, requires_grad=True) for _ in range(3)]
+    expected = [p.detach().clone().requires_grad_() for p in params]
+    grads = [torch.randn(32) for _ in range(3)]
+
+    def update(tensors):
+        with torch.no_grad():
+            torch._foreach_mul_(tensors, 0.9)
+            torch._foreach_add_(tensors, grads, alpha=-0.1)
+
+    with config.patch(COMPILE=False), ae.enabled():
+        for _ in range(30):
+            update(params)
+        ae.sync()
+        assert ae.stats().native_cold_runs > 20
+    for _ in range(30):
+        update(expected)
+    for got, want in zip(params, expected):
+        assert_equal(got, want, bitwise=True)
+        assert got._version == want._version
+
+
+def test_a_training_step_run_cold_has_eager_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                    torch.nn.Linear(32, 1))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(8, 16)
+
+    def train(net, steps):
+        for _ in range(steps):
+            net.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.01 * p.grad
+
+    with config.patch(COMPILE=False), ae.enabled():
+        train(model, 20)
+        ae.sync()
+        assert ae.stats().native_cold_runs > 20
+    train(reference, 20)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert_equal(got, want, bitwise=True)
+
+
+def test_a_plan_whose_runs_keep_other_outputs_alive_goes_back_to_python():
+    """The key's segment let its intermediate die; the loop then keeps it: C++'s runs end
+    with other outputs live, as misses, and the plan is dropped, so Python's recording
+    finds the loop's own key."""
+    x, w = torch.randn(256), torch.randn(256)
+
+    def keep_both(x, w):
+        y = (x * w + 1.0).sin()
+        return y, (y * 3.0).cos()
+
+    with config.patch(COMPILE=False), ae.enabled():
+        for _ in range(4):
+            keep_both(x, w)[1]                    # the key: y dies
+        kept = [keep_both(x, w) for _ in range(200)]
+        ae.sync()
+        stats = ae.stats()
+    assert stats.fallbacks.get("cold_plan_missed", 0) > 0
+    assert stats.native_cold_runs > 100, stats    # after a harvest, its own key runs cold
+    for y, out in kept:
+        assert_equal(y, (x * w + 1.0).sin(), bitwise=True)
+        assert_equal(out, ((x * w + 1.0).sin() * 3.0).cos(), bitwise=True)
+
+
+def test_a_numpy_read_in_a_cold_run_does_not_end_it():
+    x, w = torch.randn(256), torch.randn(256)
+
+    def read_between(x, w):
+        y = (x * w + 1.0).sin()
+        first = float(y.numpy()[0])        # an escape: nothing deferred to run
+        return first, (y * 3.0).cos()
+
+    with config.patch(COMPILE=False), ae.enabled():
+        got = [read_between(x, w) for _ in range(50)]
+        ae.sync()
+        stats = ae.stats()
+    assert stats.native_cold_runs >= 40 and not stats.fallbacks.get("cold_plan_missed"), stats
+    want = read_between(x, w)
+    for first, out in got:
+        assert first == want[0]
+        assert_equal(out, want[1], bitwise=True)
+
+
+def test_a_reset_forgets_every_cold_plan():
+    x, w = torch.randn(256), torch.randn(256)
+    with config.patch(COMPILE=False), ae.enabled():
+        for _ in range(5):
+            step(x, w)
+        ae.sync()
+        assert native_plans.registered()
+    ae.reset()
+    assert not native_plans.registered()
