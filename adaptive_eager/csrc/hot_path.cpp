@@ -26,13 +26,17 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <ATen/record_function.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -45,7 +49,7 @@ namespace {
 constexpr int64_t kAlignmentBytes = 16;
 
 std::atomic<int64_t> g_ops_deferred{0}, g_fused_runs{0}, g_fused_ops{0}, g_takeovers{0};
-std::atomic<int64_t> g_cold_runs{0}, g_cold_ops{0}, g_cold_misses{0};
+std::atomic<int64_t> g_cold_runs{0}, g_cold_ops{0}, g_cold_misses{0}, g_direct_runs{0};
 PyObject* g_launch = nullptr;                   // launch(handle, inputs, buffers, seconds)
 PyObject* g_takeover = nullptr;                 // takeover(segment, depth, inputs, outputs)
 PyObject* g_harvest = nullptr;                  // harvest(): take the cold plans' counts
@@ -155,8 +159,8 @@ struct Run {
 
 thread_local Run t_run;
 thread_local bool t_open = false;       // Python's engine has a segment open on this thread
-thread_local int64_t t_cold_since_harvest = 0;
-thread_local double t_cold_s_since_harvest = 0.0;
+thread_local int64_t t_runs_since_harvest = 0;      // cold runs and direct launches
+thread_local double t_run_s_since_harvest = 0.0;
 thread_local bool t_hot = false;        // this thread's runtime runs on C++ (not a thread
                                         // that only inherited the key, e.g. autograd's)
 
@@ -481,10 +485,61 @@ struct KeepVersions {
   }
 };
 
+void count_for_harvest(double wall_s);
+
+// Note [Launching from C++] (runtime/direct_call.py): the kernel's code called with the data
+// pointers of the run's inputs and buffers, through a function pointer of as many pointer
+// parameters (the generated code takes `const float*` and the like: the same registers).
+using Caller = void (*)(void*, void* const*);
+
+template <size_t... I>
+void call_with(void* function, void* const* pointers, std::index_sequence<I...>) {
+  using Function = void (*)(decltype((void)I, static_cast<void*>(nullptr))...);
+  reinterpret_cast<Function>(function)(pointers[I]...);
+}
+
+template <size_t N>
+void call_n(void* function, void* const* pointers) {
+  call_with(function, pointers, std::make_index_sequence<N>{});
+}
+
+template <size_t... N>
+constexpr std::array<Caller, sizeof...(N)> callers(std::index_sequence<N...>) {
+  return {&call_n<N>...};
+}
+
+constexpr auto kCallers = callers(std::make_index_sequence<kMaxDirectArguments + 1>{});
+
+// False when an argument index does not fit the run (the Python call takes over).
+bool launch_direct(const Run& run, const Plan& plan, const DirectKernel& direct,
+                   const std::vector<at::Tensor>& buffers) {
+  void* pointers[kMaxDirectArguments];
+  const size_t inputs = run.inputs.size();
+  for (size_t i = 0; i < direct.arguments.size(); ++i) {
+    const size_t index = static_cast<size_t>(direct.arguments[i]);
+    if (index >= inputs + buffers.size()) return false;
+    pointers[i] = (index < inputs ? run.inputs[index] : buffers[index - inputs]).data_ptr();
+  }
+  kCallers[direct.arguments.size()](direct.function, pointers);
+  g_direct_runs.fetch_add(1, std::memory_order_relaxed);
+  double wall_s = seconds_since(run.started);
+  {
+    std::lock_guard<std::mutex> lock(plan.counts_mutex);
+    plan.counts.runs += 1;
+    plan.counts.wall_s += wall_s;
+    plan.counts.last_s = wall_s;
+  }
+  count_for_harvest(wall_s);
+  return true;
+}
+
 bool launch(Run& run, const Plan& plan) {
   std::vector<at::Tensor> buffers;
   buffers.reserve(plan.live.size());
   for (Ref ref : plan.live) buffers.push_back(buffer_for(run, plan, ref));
+  const DirectKernel* direct = plan.direct.load(std::memory_order_acquire);
+  if (direct != nullptr && !at::hasCallbacks() && launch_direct(run, plan, *direct, buffers))
+    return true;                     // (a profiler records: Python names the run)
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                  run.started).count();
   KeepVersions versions(run.inputs, buffers);
@@ -547,14 +602,22 @@ const Plan* cold_plan_for(const Run& run) {
 }
 
 void harvest() {
-  t_cold_since_harvest = 0;
-  t_cold_s_since_harvest = 0.0;
+  t_runs_since_harvest = 0;
+  t_run_s_since_harvest = 0.0;
   if (g_harvest == nullptr) return;
   c10::impl::ExcludeDispatchKeyGuard guard(kHidden);
   py::gil_scoped_acquire gil;
   PyObject* result = PyObject_CallNoArgs(g_harvest);
   if (result == nullptr) throw py::error_already_set();
   Py_DECREF(result);
+}
+
+// A run Python has not seen: harvest now and then (native_plans.HARVEST_EVERY).
+void count_for_harvest(double wall_s) {
+  t_run_s_since_harvest += wall_s;
+  if (++t_runs_since_harvest >= g_harvest_every.load(std::memory_order_relaxed) ||
+      t_run_s_since_harvest >= g_harvest_after_s.load(std::memory_order_relaxed))
+    harvest();
 }
 
 // Count the run against its plan, or as a miss of the path (Note [Cold plans]).
@@ -564,7 +627,7 @@ void end_cold_run(Run& run) {
   const Plan* charged = plan != nullptr ? plan : run.node->any_plan;
   {
     std::lock_guard<std::mutex> lock(charged->counts_mutex);
-    ColdCounts& counts = charged->counts;
+    PlanCounts& counts = charged->counts;
     if (plan != nullptr) {
       counts.runs += 1;
       counts.wall_s += wall_s;
@@ -576,10 +639,7 @@ void end_cold_run(Run& run) {
   }
   (plan != nullptr ? g_cold_runs : g_cold_misses).fetch_add(1, std::memory_order_relaxed);
   run.clear();
-  t_cold_s_since_harvest += wall_s;
-  if (++t_cold_since_harvest >= g_harvest_every.load(std::memory_order_relaxed) ||
-      t_cold_s_since_harvest >= g_harvest_after_s.load(std::memory_order_relaxed))
-    harvest();
+  count_for_harvest(wall_s);
 }
 
 void end_run(Run& current) {
@@ -678,9 +738,9 @@ void define_hot_path(py::module& m) {
     return py::make_tuple(g_ops_deferred.exchange(0), g_fused_runs.exchange(0),
                           g_fused_ops.exchange(0), g_takeovers.exchange(0),
                           g_cold_ops.exchange(0), g_cold_runs.exchange(0),
-                          g_cold_misses.exchange(0));
-  }, "(ops deferred, fused runs, fused ops, takeovers, cold ops, cold runs, cold misses) "
-     "since the last call.");
+                          g_cold_misses.exchange(0), g_direct_runs.exchange(0));
+  }, "(ops deferred, fused runs, fused ops, takeovers, cold ops, cold runs, cold misses, "
+     "direct launches) since the last call.");
 }
 
 }  // namespace adaptive_eager

@@ -9,7 +9,7 @@
 // it registers its segment here as a *cold plan* (runtime/native_plans.py, watch): the C++
 // hot path walks it like a kernel's, but runs each op at once (as the fallback would pass it
 // on) and counts the run against the key, with its wall time and the least time inside its
-// ops. Python takes the counts every few runs (take_cold_counts, from the harvest callback),
+// ops. Python takes the counts every few runs (take_plan_counts, from the harvest callback),
 // and its policy goes on as if it had recorded each run: the key banks toward its compile,
 // which lands at such a harvest; the key's kernel then replaces the cold plan. A cold run is
 // counted only if it ends where its key's segment ends with the same outputs live; one that
@@ -29,6 +29,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <dlfcn.h>
 #include <map>
 
 namespace py = pybind11;
@@ -299,26 +300,45 @@ std::string plan_add(int64_t handle, bool cold, py::object segment, py::tuple co
   return "";
 }
 
-// [(handle, runs, misses, wall_s, compute_s, fusible_s)] of the cold plans counted since the
-// last call.
-py::list take_cold_counts() {
-  std::vector<std::pair<int64_t, ColdCounts>> taken;
+// [(handle, runs, misses, wall_s, compute_s, fusible_s, last_s)] of the plans that ran since
+// the last call.
+py::list take_plan_counts() {
+  std::vector<std::pair<int64_t, PlanCounts>> taken;
   {
     // With the GIL: whoever holds the mutex never waits for it (see publish), and letting
     // it go here would let the program's other threads in at every harvest.
     std::lock_guard<std::mutex> lock(g_trie_mutex);
     for (const auto& [handle, plan] : g_plans) {
-      if (!plan->cold) continue;
       std::lock_guard<std::mutex> counts_lock(plan->counts_mutex);
       if (plan->counts.runs == 0 && plan->counts.misses == 0) continue;
       taken.emplace_back(handle, plan->counts);
-      plan->counts = ColdCounts();
+      plan->counts = PlanCounts();
     }
   }
   py::list result;
   for (const auto& [handle, c] : taken)
-    result.append(py::make_tuple(handle, c.runs, c.misses, c.wall_s, c.compute_s, c.fusible_s));
+    result.append(py::make_tuple(handle, c.runs, c.misses, c.wall_s, c.compute_s, c.fusible_s,
+                                 c.last_s));
   return result;
+}
+
+// Note [Launching from C++] (runtime/direct_call.py): "" when the kernel of plan `handle` is
+// now called from here; else why not.
+std::string plan_direct(int64_t handle, const std::string& library, std::vector<int> arguments) {
+  if (arguments.empty() || arguments.size() > kMaxDirectArguments) return "too many arguments";
+  void* opened = dlopen(library.c_str(), RTLD_NOW | RTLD_NOLOAD);   // loaded by its binding
+  if (opened == nullptr) return "library not loaded";
+  void* function = dlsym(opened, "kernel");
+  dlclose(opened);                                 // the binding's own handle keeps it
+  if (function == nullptr) return "no kernel symbol";
+  std::lock_guard<std::mutex> lock(g_trie_mutex);
+  auto found = g_plans.find(handle);
+  if (found == g_plans.end() || found->second->cold) return "no such kernel plan";
+  const Plan& plan = *found->second;
+  if (plan.direct.load() != nullptr) return "";
+  plan.direct_owned = std::make_unique<DirectKernel>(DirectKernel{function, std::move(arguments)});
+  plan.direct.store(plan.direct_owned.get(), std::memory_order_release);
+  return "";
 }
 
 }  // namespace
@@ -362,8 +382,10 @@ void define_plans(py::module& m) {
       return true;
     });
   });
-  m.def("take_cold_counts", &take_cold_counts,
-        "[(handle, runs, misses, wall_s, compute_s, fusible_s)] since the last call.");
+  m.def("take_plan_counts", &take_plan_counts,
+        "[(handle, runs, misses, wall_s, compute_s, fusible_s, last_s)] since the last call.");
+  m.def("plan_direct", &plan_direct,
+        "Call a kernel plan's generated code from C++: '' or why not.");
 }
 
 }  // namespace adaptive_eager

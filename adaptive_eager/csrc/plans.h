@@ -7,6 +7,7 @@
 #include <c10/core/DispatchKeySet.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -98,13 +99,23 @@ struct PyRef {
   ~PyRef();
 };
 
-// What a cold plan's runs measured since Python last took them (take_cold_counts).
-struct ColdCounts {
-  int64_t runs = 0;          // ended on this plan, its live outputs those of its key
+// What a plan's runs measured since Python last took them (take_plan_counts): a cold
+// plan's runs, a kernel's launches from C++ alone (Note [Launching from C++] in
+// runtime/direct_call.py).
+struct PlanCounts {
+  int64_t runs = 0;          // cold: ended on this plan, its live outputs those of its key
   int64_t misses = 0;        // walked its path and ended elsewhere (Note [Cold plans])
   double wall_s = 0.0;       // of the runs, in all
+  double last_s = 0.0;       // of the last one
   double compute_s = std::numeric_limits<double>::infinity();   // least of one run, in ops
   double fusible_s = std::numeric_limits<double>::infinity();   // of that, outside extern ops
+};
+
+// A kernel's generated C++ code, called with data pointers (Note [Launching from C++]).
+constexpr size_t kMaxDirectArguments = 16;
+struct DirectKernel {
+  void* function;                  // extern "C" void kernel(T0*, T1*, ...)
+  std::vector<int> arguments;      // per pointer, the index in [inputs..., buffers...]
 };
 
 // One registered segment: a kernel's (deferred, then launched) or a cold key's (run per-op
@@ -120,7 +131,10 @@ struct Plan {
   bool mutates;
   std::shared_ptr<PyRef> segment;   // Python's Segment, for takeover
   mutable std::mutex counts_mutex;
-  mutable ColdCounts counts;
+  mutable PlanCounts counts;
+  // Set once, when Python found the kernel's code callable from here (plan_direct).
+  mutable std::atomic<const DirectKernel*> direct{nullptr};
+  mutable std::unique_ptr<DirectKernel> direct_owned;
 };
 
 struct Node {
@@ -143,7 +157,7 @@ struct Trie {
 const std::shared_ptr<const Trie>& current_trie();
 const Node* root_for(const Roots& roots, const Context& context);
 
-// plan_add, plan_remove, plan_clear, take_cold_counts.
+// plan_add, plan_remove, plan_clear, plan_direct, take_plan_counts.
 void define_plans(pybind11::module& m);
 
 }  // namespace adaptive_eager

@@ -16,7 +16,10 @@ against (internal structure of torch 2.13: not found, nothing changes).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import ast
+import inspect
+import textwrap
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -75,3 +78,111 @@ def _closure(function: Any) -> dict:
         except ValueError:                 # an empty cell
             pass
     return values
+
+
+# Note [Launching from C++]
+# Even the generated ``call`` costs ~5-10 us a run from the C++ hot path: the GIL, a list of
+# wrapped tensors, a Python frame that unpacks, checks sizes and strides the hot path already
+# matched, and the binding that takes the data pointers back out of the Python objects. Where
+# ``call`` does nothing but call one generated C++ kernel whose arguments are all data
+# pointers of the graph's own arguments (a pointwise or reduction segment: one
+# ``cpp_fused_*``, no temporaries, no extern kernel), the extension calls that kernel's
+# ``extern "C" kernel`` itself, found by name in the shared library the binding was loaded
+# from, with the pointers of the run's inputs and buffers (``plan_direct``). Anything else
+# keeps the Python call.
+_ALLOWED_CHECKS = frozenset({"assert_size_stride", "assert_alignment"})
+
+
+class DirectKernel(NamedTuple):
+    library: str          # the shared library the kernel was loaded from
+    arguments: list       # per kernel argument, the graph argument it points into
+
+
+def direct_kernel(kernel: Any) -> DirectKernel | None:
+    """Note [Launching from C++]: what the extension needs to call ``kernel``'s generated
+    C++ code itself, or None."""
+    call = _generated_call(getattr(kernel, "artifact", None))
+    if call is None:
+        return None
+    function = getattr(call, "__func__", call)
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+        return None
+    found = _one_kernel_call(body)
+    if found is None:
+        return None
+    name, arguments = found
+    binding = function.__globals__.get(name)
+    library = getattr(getattr(binding, "__self__", None), "__file__", None)
+    types = _binding_types(function.__globals__.get("__file__"), name)
+    if library is None or not library.endswith(".so") or types is None or \
+            len(types) != len(arguments) or not all(t.endswith("*") for t in types):
+        return None
+    return DirectKernel(library, arguments)
+
+
+def _one_kernel_call(body: list) -> tuple[str, list] | None:
+    """(kernel name, graph argument per kernel argument) if ``call``'s body only unpacks its
+    arguments, checks them, calls one ``cpp_fused_*`` kernel on them and returns nothing."""
+    if not body or not _unpacks_args(body[0]):
+        return None
+    names = [target.id for target in body[0].targets[0].elts]
+    kernel = None
+    for statement in body[1:]:
+        if isinstance(statement, ast.Delete) or _returns_nothing(statement):
+            continue
+        called = _called_name(statement)
+        if called == "args.clear" or called in _ALLOWED_CHECKS:
+            continue
+        if called is None or not called.startswith("cpp_fused_") or kernel is not None:
+            return None
+        call = statement.value
+        if call.keywords or not all(isinstance(a, ast.Name) and a.id in names
+                                    for a in call.args):
+            return None
+        kernel = (called, [names.index(a.id) for a in call.args])
+    return kernel
+
+
+def _unpacks_args(statement) -> bool:
+    return isinstance(statement, ast.Assign) and len(statement.targets) == 1 and \
+        isinstance(statement.targets[0], ast.Tuple) and \
+        all(isinstance(t, ast.Name) for t in statement.targets[0].elts) and \
+        isinstance(statement.value, ast.Name) and statement.value.id == "args"
+
+
+def _returns_nothing(statement) -> bool:
+    return isinstance(statement, ast.Return) and isinstance(statement.value, ast.Tuple) and \
+        not statement.value.elts
+
+
+def _called_name(statement) -> str | None:
+    if not isinstance(statement, ast.Expr) or not isinstance(statement.value, ast.Call):
+        return None
+    func = statement.value.func
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        return f"{func.value.id}.{func.attr}"
+    return None
+
+
+def _binding_types(module_path: str | None, name: str) -> list | None:
+    """The C argument types ``name = async_compile.cpp_pybinding([...], ...)`` declares."""
+    if module_path is None:
+        return None
+    try:
+        with open(module_path) as source:
+            tree = ast.parse(source.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1 and \
+                isinstance(statement.targets[0], ast.Name) and \
+                statement.targets[0].id == name and isinstance(statement.value, ast.Call) \
+                and statement.value.args and isinstance(statement.value.args[0], ast.List):
+            types = [item.value for item in statement.value.args[0].elts
+                     if isinstance(item, ast.Constant) and isinstance(item.value, str)]
+            return types if len(types) == len(statement.value.args[0].elts) else None
+    return None

@@ -470,7 +470,7 @@ class Runtime:
                 native_plans.watch(entry, self.native)   # Note [Cold plans] (csrc/plans.cpp)
             self._watch(entry)
 
-    def _watch_kernel(self, variant) -> None:
+    def _watch_kernel(self, variant, runs: int = 1) -> None:
         """Note [Pausing]: a kernel keeps the runtime intercepting only while what its runs
         save pays for the interception of the per-op segments around them (their wall time
         beyond their ops' own, up to MOST_INTERCEPTION_S_PER_OP an op). A kernel saving
@@ -483,7 +483,7 @@ class Runtime:
             self.unpaid_s = 0.0
             self._watch(None)                  # news: a probe that finds it was fruitful
             return
-        self.unpaid_s -= saving
+        self.unpaid_s -= saving * runs
         if self.unpaid_s <= 0:                 # paid: the quiet window starts over, and
             self.unpaid_s = 0.0                # a pause would still back off (a known kernel
             self.quiet_segments = self.quiet_count = 0   # is no news)
@@ -681,9 +681,9 @@ class Runtime:
 
     # ---------------------------------------------------------------- the C++ hot path
 
-    def ran_native_kernel(self, variant) -> None:
-        """The extension ran ``variant``'s kernel at a segment end (native_plans._launch)."""
-        self._watch_kernel(variant)
+    def ran_native_kernel(self, variant, runs: int = 1) -> None:
+        """The extension ran ``variant``'s kernel ``runs`` times (native_plans)."""
+        self._watch_kernel(variant, runs)
 
     def adopt_native_run(self, segment, depth: int, inputs: list, outputs: list) -> None:
         """Note [The C++ hot path]: a deferred run the extension cannot end fused becomes

@@ -169,8 +169,8 @@ def touch_pending(table) -> None:
     """Count the C++ launches ``_launch`` has not counted yet, and the cold runs not
     harvested yet (the table is being written)."""
     ext = native.loaded()
-    if ext is not None and _watched:
-        _take_cold_counts(table, ext)
+    if ext is not None and (_watched or _variants):
+        _take_counts(table, ext)
     with _lock:
         pending = [variant for variant in _variants.values() if variant.untouched_runs]
     for variant in pending:
@@ -200,7 +200,8 @@ def publish_counts() -> None:
     ext = native.loaded()
     if ext is None:
         return
-    deferred, fused_runs, fused_ops, _, cold_ops, cold_runs, cold_misses = ext.take_counts()
+    deferred, fused_runs, fused_ops, _, cold_ops, cold_runs, cold_misses, direct = \
+        ext.take_counts()
     counters.add("ops_seen", deferred + cold_ops)
     counters.add("per_op_executions", cold_ops)
     counters.add("native_cold_runs", cold_runs)
@@ -208,6 +209,7 @@ def publish_counts() -> None:
         counters.fallback("cold_plan_missed", cold_misses)
     counters.add("fused_executions", fused_runs)
     counters.add("native_fused_executions", fused_runs)
+    counters.add("native_direct_executions", direct)
     counters.add("fused_ops", fused_ops)
 
 
@@ -235,6 +237,8 @@ def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> bool:
         runtime.table.demote(variant, f"kernel_error: {type(err).__name__}: {err}")
         return False
     variant.untouched_runs += 1
+    if judged and not variant.direct_tried:
+        _call_from_cpp(variant)
     if variant.untouched_runs >= TOUCH_EVERY or not judged:   # a trial counts every run
         # waited_s (deferring its ops, and the program's code between them) is the machine's
         # time, measured in C++; where a test states times (Note [Clock]), the kernel's alone
@@ -244,6 +248,20 @@ def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> bool:
         variant.untouched_runs = 0
     runtime.ran_native_kernel(variant)
     return True
+
+
+def _call_from_cpp(variant) -> None:
+    """Note [Launching from C++] (runtime/direct_call.py): once a kernel is judged, let the
+    extension call its generated code itself where it can."""
+    from adaptive_eager.runtime.direct_call import direct_kernel
+    variant.direct_tried = True
+    direct = direct_kernel(variant.kernel)
+    ext = native.loaded()
+    if direct is None or ext is None or variant.native_handle in (None, REFUSED):
+        return
+    refused = ext.plan_direct(variant.native_handle, direct.library, direct.arguments)
+    if refused:
+        log.debug("decision=direct_refused key=%s reason=%s", variant.entry.digest, refused)
 
 
 def _takeover(segment, depth: int, inputs: list, outputs: list) -> None:
@@ -259,12 +277,21 @@ def _harvest() -> None:
     ext = native.loaded()
     if runtime is None or ext is None or runtime.stood_aside:
         return
-    _take_cold_counts(runtime.table, ext)
+    _take_counts(runtime.table, ext, runtime)
     runtime.table.poll_compiles()
 
 
-def _take_cold_counts(table, ext) -> None:
-    for handle, runs, misses, wall_s, compute_s, fusible_s in ext.take_cold_counts():
+def _take_counts(table, ext, runtime=None) -> None:
+    """Count what C++ ran since the last time: cold plans' runs, kernels' launches made
+    without Python (Note [Launching from C++])."""
+    for handle, runs, misses, wall_s, compute_s, fusible_s, last_s in ext.take_plan_counts():
+        variant = _variants.get(handle)
+        if variant is not None:
+            if runs:
+                table.touch(variant, last_s if clock.is_the_machines() else None, runs)
+                if runtime is not None:
+                    runtime.ran_native_kernel(variant, runs)
+            continue
         entry = _watched.get(handle)
         if entry is None:
             continue

@@ -29,6 +29,8 @@ class Stats:
     fused_executions: int = 0
     fused_ops: int = 0
     native_fused_executions: int = 0    # of which deferred and launched by the C++ hot path
+    native_direct_executions: int = 0   # of those, the kernel's code called from C++ (Note
+                                        # [Launching from C++] in runtime/direct_call.py)
     per_op_executions: int = 0
     native_cold_runs: int = 0       # segments C++ ran per-op without Python (Note [Cold
                                     # plans] in csrc/plans.cpp)

@@ -25,6 +25,7 @@ class Variant:
     on_probation: bool = True       # its first run is checked (see Note [Probation])
     native_handle: int | None = None    # registered with the C++ hot path (native_plans)
     untouched_runs: int = 0             # its C++ launches not yet counted (native_plans)
+    direct_tried: bool = False          # offered to be called from C++ (native_plans)
 
     def __post_init__(self) -> None:
         self.live_set = frozenset(self.segment.live_refs)

@@ -175,3 +175,20 @@ def test_pooled_memory_of_large_outputs_is_reused_only_when_free():
         assert_equal(out, expected, bitwise=True)
     for view in views:
         assert_equal(view, expected[::2], bitwise=True)
+
+
+@pytest.mark.inductor
+def test_a_judged_kernel_is_called_from_cpp_and_matches_eager():
+    """Note [Launching from C++]: a loaded single-kernel artifact, once judged, runs without
+    Python at all; its results are Inductor's (close to eager's, not bitwise)."""
+    x = torch.randn(4096)
+    with config.patch(ASYNC=True), ae.enabled():
+        for _ in range(4):
+            chain(x, x)
+        ae.sync(wait_compiles=300)
+        outs = [chain(x, x) for _ in range(30)]
+        ae.sync()
+        stats = ae.stats()
+    assert stats.native_direct_executions >= 20, stats
+    for out in outs:
+        torch.testing.assert_close(out, chain(x, x))

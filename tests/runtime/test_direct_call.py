@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 from adaptive_eager.runtime.compiler import InductorCompiler
-from adaptive_eager.runtime.direct_call import fast_call
+from adaptive_eager.runtime.direct_call import direct_kernel, fast_call
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.inductor
@@ -66,3 +66,24 @@ def test_anything_else_is_called_as_it_is():
         return None
     assert fast_call(kernel) is kernel
     assert fast_call(object) is object
+
+
+def _with_matmul(a, b, out):
+    aten.copy_.default(out, aten.relu.default(aten.mm.default(a, b)))
+    return ()
+
+
+def test_a_graph_of_one_generated_kernel_can_be_called_from_cpp(tmp_path):
+    """Note [Launching from C++]: the kernel's library and which graph argument each of its
+    pointers is (here the input, then the buffer it writes)."""
+    x = torch.randn(4096)
+    direct = direct_kernel(fast_call(_loaded(_into_buffer, [x, torch.empty(4096)], tmp_path)))
+    assert direct is not None and direct.library.endswith(".so")
+    assert direct.arguments == [0, 1]
+
+
+def test_a_graph_calling_an_extern_kernel_keeps_its_python_call(tmp_path):
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    artifact = _loaded(_with_matmul, [a, b, torch.empty(16, 16)], tmp_path)
+    assert direct_kernel(fast_call(artifact)) is None
+    assert direct_kernel(artifact) is None          # no plain wrapper found: nothing to call
