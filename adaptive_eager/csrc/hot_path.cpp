@@ -22,6 +22,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -35,7 +36,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -119,9 +119,12 @@ at::Tensor empty_like_meta(const Meta& meta, bool& pooled) {
   return fresh;
 }
 
+// Up to 6 dimensions without a heap allocation: an output's layout is kept per op.
+using Dims = c10::SmallVector<int64_t, 6>;
+
 struct Layout {
   int64_t offset;
-  std::vector<int64_t> sizes, strides;
+  Dims sizes, strides;
   c10::ScalarType dtype;
   bool operator==(const Layout& o) const {
     return offset == o.offset && sizes == o.sizes && strides == o.strides && dtype == o.dtype;
@@ -129,8 +132,16 @@ struct Layout {
 };
 
 Layout layout_of(const at::Tensor& t) {
-  return Layout{t.storage_offset(), t.sizes().vec(), t.strides().vec(), t.scalar_type()};
+  return Layout{t.storage_offset(), Dims(t.sizes().begin(), t.sizes().end()),
+                Dims(t.strides().begin(), t.strides().end()), t.scalar_type()};
 }
+
+// An output's place in memory, to know its unseen aliases (Note [Shallow copies]).
+struct Placed {
+  const c10::StorageImpl* storage;   // valid while the output's weak references hold it
+  Layout layout;
+  Ref ref;
+};
 
 struct Run {
   std::shared_ptr<const Trie> trie;   // the snapshot the run walks (plans stay alive)
@@ -138,11 +149,25 @@ struct Run {
   bool cold = false;                  // on a cold plan's path: its ops run at once
   double compute_s = 0.0, extern_s = 0.0;   // cold: inside its ops, and extern ones
   std::vector<at::Tensor> inputs;
-  std::unordered_map<const c10::TensorImpl*, Ref> known;   // valid: weakly held below
-  std::vector<std::vector<WeakImpl>> outputs;              // per op, flat (takeover)
+  // Flat vectors, searched from the newest (a segment has at most MAX_SEGMENT_OPS ops): no
+  // allocation per op once a thread's run has grown to its segments' size.
+  std::vector<std::pair<const c10::TensorImpl*, Ref>> known;   // valid: weakly held below
+  std::vector<WeakImpl> outputs;                           // every op's, flat (takeover)
+  std::vector<int32_t> first_output;                       // per op, its first in outputs
   std::vector<Output> computed;                            // what kernels write
-  std::unordered_map<const c10::StorageImpl*, std::vector<std::pair<Layout, Ref>>> layouts;
+  std::vector<Placed> placed;
   std::chrono::steady_clock::time_point started;
+
+  const Ref* known_ref(const c10::TensorImpl* impl) const {
+    for (auto it = known.rbegin(); it != known.rend(); ++it)
+      if (it->first == impl) return &it->second;
+    return nullptr;
+  }
+  const WeakImpl& output(Ref ref) const { return outputs[first_output[ref.op] + ref.index]; }
+  int32_t outputs_of(size_t op) const {
+    size_t end = op + 1 < first_output.size() ? first_output[op + 1] : outputs.size();
+    return static_cast<int32_t>(end - first_output[op]);
+  }
 
   void clear() {
     trie.reset();
@@ -150,8 +175,9 @@ struct Run {
     inputs.clear();
     known.clear();
     outputs.clear();
+    first_output.clear();
     computed.clear();
-    layouts.clear();
+    placed.clear();
     cold = false;
     compute_s = extern_s = 0.0;
   }
@@ -188,23 +214,25 @@ bool shares_outside_memory(const at::Tensor& t) {
 }
 
 // A call's new external inputs, committed only when the whole call matched.
-using Pending = std::vector<at::Tensor>;
+using Pending = c10::SmallVector<at::Tensor, 4>;   // (no allocation per op)
 
 std::optional<Ref> ref_of(Run& run, const at::Tensor& t, const Pending& pending) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  auto found = run.known.find(impl);
-  if (found != run.known.end()) return found->second;
+  if (const Ref* found = run.known_ref(impl)) return *found;
   for (size_t i = 0; i < pending.size(); ++i)
     if (pending[i].unsafeGetTensorImpl() == impl)
       return Ref{-1, static_cast<int32_t>(run.inputs.size() + i)};
   if (t.has_storage()) {      // Note [Shallow copies]: an unseen alias of an output
-    auto entry = run.layouts.find(t.storage().unsafeGetStorageImpl());
-    if (entry != run.layouts.end()) {
-      Layout layout = layout_of(t);
-      for (const auto& [known_layout, ref] : entry->second)
-        if (known_layout == layout) return ref;
-      return std::nullopt;    // other memory of an output, made by no op: cannot follow
+    const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    bool on_output = false;
+    std::optional<Layout> layout;
+    for (const Placed& place : run.placed) {
+      if (place.storage != storage) continue;
+      on_output = true;
+      if (!layout) layout = layout_of(t);
+      if (place.layout == *layout) return place.ref;
     }
+    if (on_output) return std::nullopt;   // other memory of an output, made by no op
   }
   return Ref{-2, 0};          // new
 }
@@ -273,11 +301,11 @@ bool call_matches(Run& run, const OpSpec& spec, const c10::OperatorHandle& op,
 // ------------------------------------------------------------------ deferring
 
 void remember_output(Run& run, const at::Tensor& t, Ref ref, bool computed, bool pooled) {
-  run.known[t.unsafeGetTensorImpl()] = ref;
-  run.outputs.back().emplace_back(t.getIntrusivePtr());
+  run.known.emplace_back(t.unsafeGetTensorImpl(), ref);
+  run.outputs.emplace_back(t.getIntrusivePtr());
   if (!t.has_storage()) return;
   WeakStorage storage = t.storage().getWeakStorageImpl();
-  run.layouts[t.storage().unsafeGetStorageImpl()].emplace_back(layout_of(t), ref);
+  run.placed.push_back(Placed{t.storage().unsafeGetStorageImpl(), layout_of(t), ref});
   if (computed)
     run.computed.push_back(Output{ref, WeakImpl(t.getIntrusivePtr()), storage, pooled});
 }
@@ -285,7 +313,8 @@ void remember_output(Run& run, const at::Tensor& t, Ref ref, bool computed, bool
 // A matched call's new external inputs join the run.
 void commit_inputs(Run& run, Pending& pending) {
   for (auto& t : pending) {
-    run.known[t.unsafeGetTensorImpl()] = Ref{-1, static_cast<int32_t>(run.inputs.size())};
+    run.known.emplace_back(t.unsafeGetTensorImpl(),
+                           Ref{-1, static_cast<int32_t>(run.inputs.size())});
     run.inputs.push_back(std::move(t));
   }
 }
@@ -295,7 +324,7 @@ void defer(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKe
   commit_inputs(run, pending);
   const OpSpec& spec = *node.spec;
   const int32_t index = node.depth - 1;
-  run.outputs.emplace_back();
+  run.first_output.push_back(static_cast<int32_t>(run.outputs.size()));
   c10::impl::ExcludeDispatchKeyGuard guard(kKey);
   if (spec.kind == Kind::View) {          // metadata only: safe on unfilled buffers
     op.redispatchBoxed(ks & kBelow, stack);
@@ -311,15 +340,15 @@ void defer(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKe
     }
   } else if (spec.kind == Kind::Fusible) {
     torch::jit::drop(*stack, spec.args.size());
-    std::vector<at::Tensor> outs;
-    outs.reserve(spec.outs.size());
+    c10::SmallVector<at::Tensor, 4> outs;
     for (size_t k = 0; k < spec.outs.size(); ++k) {
       bool pooled;
       outs.push_back(empty_like_meta(spec.outs[k], pooled));
       remember_output(run, outs.back(), Ref{index, static_cast<int32_t>(k)}, true, pooled);
     }
     if (spec.list_return) {
-      stack->emplace_back(c10::List<at::Tensor>(outs));
+      stack->emplace_back(
+          c10::List<at::Tensor>(std::vector<at::Tensor>(outs.begin(), outs.end())));
     } else {
       for (auto& t : outs) stack->emplace_back(std::move(t));
     }
@@ -351,7 +380,7 @@ void run_cold(Run& run, const Node& node, const c10::OperatorHandle& op, Dispatc
   commit_inputs(run, pending);
   const OpSpec& spec = *node.spec;
   const int32_t index = node.depth - 1;
-  run.outputs.emplace_back();
+  run.first_output.push_back(static_cast<int32_t>(run.outputs.size()));
   std::vector<at::Tensor> written;
   if (!spec.written_lists.empty()) {
     auto args = torch::jit::last(*stack, spec.args.size());
@@ -558,7 +587,7 @@ bool launch(Run& run, const Plan& plan) {
 // gradient autograd accumulated, or a shallow copy), the whole output rebuilt on its storage,
 // whose storage Python then watches (Note [Shallow copies]); else undefined (dead).
 at::Tensor output_for_python(const Run& run, const Plan& plan, Ref ref) {
-  if (auto impl = run.outputs[ref.op][ref.index].lock()) return at::Tensor(std::move(impl));
+  if (auto impl = run.output(ref).lock()) return at::Tensor(std::move(impl));
   for (const Output& out : run.computed)
     if (out.ref == ref && held_elsewhere(out)) return buffer_for(run, plan, ref);
   return at::Tensor();
@@ -571,10 +600,10 @@ void take_over(Run& run) {
   std::shared_ptr<const Trie> keep = run.trie;     // the plan (and its segment) stay alive
   py::gil_scoped_acquire gil;
   py::object inputs = tensor_list(run.inputs);
-  py::list outputs(run.outputs.size());
-  for (size_t i = 0; i < run.outputs.size(); ++i) {
-    py::list flat(run.outputs[i].size());
-    for (size_t k = 0; k < run.outputs[i].size(); ++k) {
+  py::list outputs(run.first_output.size());
+  for (size_t i = 0; i < run.first_output.size(); ++i) {
+    py::list flat(run.outputs_of(i));
+    for (int32_t k = 0; k < run.outputs_of(i); ++k) {
       Ref ref{static_cast<int32_t>(i), static_cast<int32_t>(k)};
       at::Tensor tensor = output_for_python(run, *node.any_plan, ref);
       flat[k] = tensor.defined() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(tensor))
@@ -642,13 +671,31 @@ void end_cold_run(Run& run) {
   count_for_harvest(wall_s);
 }
 
+// The run being ended, swapped out of t_run: a flush that the kernel's own Python code sets
+// off (an escape such as data_ptr) finds nothing deferred instead of ending it twice, and the
+// swap keeps both runs' vectors for the next runs (no allocation per op once they have
+// grown). A run ended inside the end of another is moved out instead.
+thread_local Run t_ending;
+thread_local bool t_ending_busy = false;
+
+struct Ending {
+  Run& run;
+  bool spare;
+  Ending(Run& run, bool spare) : run(run), spare(spare) { t_ending_busy |= spare; }
+  ~Ending() {
+    run.clear();
+    if (spare) t_ending_busy = false;
+  }
+};
+
 void end_run(Run& current) {
   if (current.node == nullptr) return;
   if (current.cold) return end_cold_run(current);
-  // Moved out first: a flush that the kernel's own Python code sets off (an escape such as
-  // data_ptr) finds nothing deferred instead of ending this run twice.
-  Run run = std::move(current);
-  current.clear();
+  Run moved;
+  const bool spare = !t_ending_busy;
+  Run& run = spare ? t_ending : moved;
+  std::swap(run, current);
+  Ending ending(run, spare);
   c10::impl::ExcludeDispatchKeyGuard guard(kHidden);
   if (run.node->depth == 0) return;
   const Plan* plan = plan_for(*run.node, live_refs(run));

@@ -185,7 +185,8 @@ Meta meta_from(const py::tuple& t) {      // (sizes, strides, dtype, device)
   return meta;
 }
 
-TensorSpec tensor_spec_from(const py::tuple& t) {   // (op, index, sizes, strides, dtype, device, aligned)
+// (op, index, sizes, strides, dtype, device, aligned)
+TensorSpec tensor_spec_from(const py::tuple& t) {
   TensorSpec spec;
   spec.ref = Ref{t[0].cast<int32_t>(), t[1].cast<int32_t>()};
   spec.meta = meta_from(py::make_tuple(t[2], t[3], t[4], t[5]));
