@@ -25,5 +25,7 @@ def __getattr__(name: str):
     if name in __all__:
         api = importlib.import_module("adaptive_eager.api")
         stats = importlib.import_module("adaptive_eager.runtime.stats")
-        return stats.Stats if name == "Stats" else getattr(api, name)
+        value = stats.Stats if name == "Stats" else getattr(api, name)
+        globals()[name] = value        # found once: ``ae.sync()`` in a loop costs no import
+        return value
     raise AttributeError(f"module 'adaptive_eager' has no attribute {name!r}")

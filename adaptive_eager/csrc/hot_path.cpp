@@ -50,9 +50,11 @@ constexpr int64_t kAlignmentBytes = 16;
 
 std::atomic<int64_t> g_ops_deferred{0}, g_fused_runs{0}, g_fused_ops{0}, g_takeovers{0};
 std::atomic<int64_t> g_cold_runs{0}, g_cold_ops{0}, g_cold_misses{0}, g_direct_runs{0};
+std::atomic<int64_t> g_per_op_ops{0};           // replayed per-op for a trial
 PyObject* g_launch = nullptr;                   // launch(handle, inputs, buffers, seconds)
 PyObject* g_takeover = nullptr;                 // takeover(segment, depth, inputs, outputs)
 PyObject* g_harvest = nullptr;                  // harvest(): take the cold plans' counts
+PyObject* g_ran_per_op = nullptr;               // ran_per_op(handle, seconds): a trial's run
 // A thread harvests after this many cold runs, or this much of their wall time, whichever
 // comes first (native_plans.HARVEST_EVERY, HARVEST_AFTER_S).
 std::atomic<int64_t> g_harvest_every{64};
@@ -562,13 +564,16 @@ bool launch_direct(const Run& run, const Plan& plan, const DirectKernel& direct,
   return true;
 }
 
-bool launch(Run& run, const Plan& plan) {
+// launch's answer (and Python's: native_plans._launch).
+enum class Launched { Refused = 0, Fused = 1, PerOp = 2 };
+
+Launched launch(Run& run, const Plan& plan) {
   std::vector<at::Tensor> buffers;
   buffers.reserve(plan.live.size());
   for (Ref ref : plan.live) buffers.push_back(buffer_for(run, plan, ref));
   const DirectKernel* direct = plan.direct.load(std::memory_order_acquire);
   if (direct != nullptr && !at::hasCallbacks() && launch_direct(run, plan, *direct, buffers))
-    return true;                     // (a profiler records: Python names the run)
+    return Launched::Fused;          // (a profiler records: Python names the run)
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
                                                  run.started).count();
   KeepVersions versions(run.inputs, buffers);
@@ -577,9 +582,31 @@ bool launch(Run& run, const Plan& plan) {
   PyObject* result = PyObject_CallFunction(g_launch, "LOOd", static_cast<long long>(plan.handle),
                                            inputs.ptr(), outs.ptr(), seconds);
   if (result == nullptr) throw py::error_already_set();
-  bool ran = PyObject_IsTrue(result) == 1;
+  long answer = PyLong_AsLong(result);
   Py_DECREF(result);
-  return ran;
+  if (answer == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return static_cast<Launched>(answer);
+}
+
+// Note [Side by side] (runtime/profit.py): a kernel on trial wants this run per-op, timed.
+void run_per_op(Run& run, const Plan& plan) {
+  std::vector<std::pair<Ref, at::Tensor>> targets;
+  std::vector<at::Tensor> written;
+  for (Ref ref : live_refs(run)) {
+    targets.emplace_back(ref, buffer_for(run, plan, ref));
+    written.push_back(targets.back().second);
+  }
+  double seconds;
+  {
+    KeepVersions versions(run.inputs, written);   // eager bumped them when they were deferred
+    seconds = replay_per_op(plan, run.node->depth, run.inputs, targets);
+  }
+  g_per_op_ops.fetch_add(run.node->depth, std::memory_order_relaxed);
+  py::gil_scoped_acquire gil;
+  PyObject* result = PyObject_CallFunction(g_ran_per_op, "Ld",
+                                           static_cast<long long>(plan.handle), seconds);
+  if (result == nullptr) throw py::error_already_set();
+  Py_DECREF(result);
 }
 
 // An output as Python's engine must see it to judge it live: itself; for a computing op's
@@ -699,11 +726,17 @@ void end_run(Run& current) {
   c10::impl::ExcludeDispatchKeyGuard guard(kHidden);
   if (run.node->depth == 0) return;
   const Plan* plan = plan_for(*run.node, live_refs(run));
-  if (plan != nullptr && !(plan->mutates && inputs_share_memory(run.inputs)) &&
-      launch(run, *plan)) {
-    g_fused_runs.fetch_add(1, std::memory_order_relaxed);
-    g_fused_ops.fetch_add(run.node->depth, std::memory_order_relaxed);
-    return;
+  if (plan != nullptr && !(plan->mutates && inputs_share_memory(run.inputs))) {
+    switch (launch(run, *plan)) {
+      case Launched::Fused:
+        g_fused_runs.fetch_add(1, std::memory_order_relaxed);
+        g_fused_ops.fetch_add(run.node->depth, std::memory_order_relaxed);
+        return;
+      case Launched::PerOp:
+        return run_per_op(run, *plan);
+      case Launched::Refused:
+        break;
+    }
   }
   take_over(run);
 }
@@ -739,13 +772,15 @@ bool is_retry(PyObject* answer) { return answer == g_retry && answer != nullptr;
 void define_hot_path(py::module& m) {
   define_plans(m);
   m.def("set_hot_callbacks", [](py::object launch, py::object takeover, py::object retry,
-                                py::object harvest, int64_t harvest_every,
-                                double harvest_after_s) {
-    for (PyObject* old : {g_launch, g_takeover, g_retry, g_harvest}) Py_XDECREF(old);
+                                py::object harvest, py::object ran_per_op,
+                                int64_t harvest_every, double harvest_after_s) {
+    for (PyObject* old : {g_launch, g_takeover, g_retry, g_harvest, g_ran_per_op})
+      Py_XDECREF(old);
     g_launch = launch.inc_ref().ptr();
     g_takeover = takeover.inc_ref().ptr();
     g_retry = retry.inc_ref().ptr();
     g_harvest = harvest.inc_ref().ptr();
+    g_ran_per_op = ran_per_op.inc_ref().ptr();
     g_harvest_every = harvest_every > 0 ? harvest_every : 1;
     g_harvest_after_s = harvest_after_s;
   });
@@ -785,9 +820,10 @@ void define_hot_path(py::module& m) {
     return py::make_tuple(g_ops_deferred.exchange(0), g_fused_runs.exchange(0),
                           g_fused_ops.exchange(0), g_takeovers.exchange(0),
                           g_cold_ops.exchange(0), g_cold_runs.exchange(0),
-                          g_cold_misses.exchange(0), g_direct_runs.exchange(0));
+                          g_cold_misses.exchange(0), g_direct_runs.exchange(0),
+                          g_per_op_ops.exchange(0));
   }, "(ops deferred, fused runs, fused ops, takeovers, cold ops, cold runs, cold misses, "
-     "direct launches) since the last call.");
+     "direct launches, ops replayed for trials) since the last call.");
 }
 
 }  // namespace adaptive_eager

@@ -157,6 +157,11 @@ struct Trie {
 const std::shared_ptr<const Trie>& current_trie();
 const Node* root_for(const Roots& roots, const Context& context);
 
+// Run the first `depth` ops of `plan` per-op on `inputs` (replay.cpp), and copy the values
+// of `targets` into their tensors; the seconds spent inside the ops.
+double replay_per_op(const Plan& plan, size_t depth, const std::vector<at::Tensor>& inputs,
+                     const std::vector<std::pair<Ref, at::Tensor>>& targets);
+
 // plan_add, plan_remove, plan_clear, plan_direct, take_plan_counts.
 void define_plans(pybind11::module& m);
 

@@ -329,9 +329,12 @@ class Runtime:
         Safe to call from anywhere outside the mode; a no-op while this thread is inside it."""
         if self._busy_thread == threading.get_ident():
             return
-        if self._native_run_pending() or (end_segment and self._native_cold_run()):
+        if self._native_run_pending():
             with self._lock, below_autograd():
                 self.native.end_run()          # fused, or now ours (adopt_native_run)
+        elif end_segment and self._native_cold_run():
+            with self._lock:
+                self.native.end_run()          # counted: its ops ran already
         if self._hot is None and not (end_segment and self._builder):
             return
         with self._lock, below_autograd():

@@ -77,6 +77,8 @@ class KeyEntry:
     seen_noted: int = 0                # of ``seen``, how many the disk cache was told of
     cold_plan: int | None = None       # the C++ cold plan running it (Note [Cold plans])
     cold_refused: bool = False         # C++ cannot, or should not, run it cold
+    forgotten: bool = False            # no longer among the key table's (KeyBook)
+    renewed_at: int = 0                # ``seen`` when its recency was last renewed
 
     @functools.cached_property
     def digest(self) -> str:

@@ -25,6 +25,7 @@ from adaptive_eager.runtime.stats import counters
 # while it is among the last SEEN_ONCE_KEPT keys seen just once; older ones shrink to a
 # sighting (see KeyBook.shrink_seen_once).
 SEEN_ONCE_KEPT = 64
+RECENCY_RUNS = 64     # see KeyBook.sight_again
 
 
 class KeyBook:
@@ -68,10 +69,14 @@ class KeyBook:
 
     def sight_again(self, entry: KeyEntry, runs: int) -> bool:
         """``runs`` more sightings of a known ``entry`` (Note [Cold plans] in
-        csrc/plans.cpp); False if it was forgotten meanwhile."""
-        if self._entries.get(entry.segment.key) is not entry:
+        csrc/plans.cpp); False if it was forgotten meanwhile. Its place among the most
+        recently seen is renewed every RECENCY_RUNS runs: each renewal hashes its whole key
+        (~10 us for a few dozen ops), more than counting the runs costs."""
+        if entry.forgotten:
             return False
-        self._entries.move_to_end(entry.segment.key)
+        if entry.seen - entry.renewed_at >= RECENCY_RUNS:
+            entry.renewed_at = entry.seen
+            self._entries.move_to_end(entry.segment.key)
         entry.seen += runs
         entry.last_seen, entry.last_point = clock.monotonic(), control.points_passed()
         return True
@@ -91,6 +96,7 @@ class KeyBook:
             excess))
         for key in forgettable:
             entry = self._entries.pop(key)
+            entry.forgotten = True
             self._release(entry)
             self._records.forget(entry)
         counters.add("keys_forgotten", len(forgettable))
@@ -130,6 +136,7 @@ class KeyBook:
                 or oldest.state not in (KeyState.COLD, KeyState.MEGAMORPHIC):
             return                         # forgotten already, or more than a key seen once
         del self._entries[key]
+        oldest.forgotten = True
         _bounded_put(self._sightings, hash(key),
                      (oldest.first_seen, oldest.state is KeyState.MEGAMORPHIC))
         structure = oldest.structure
@@ -174,6 +181,8 @@ class KeyBook:
                 decide("megamorphic", key=entry.digest, variants=variants)
 
     def clear(self) -> None:
+        for entry in self._entries.values():
+            entry.forgotten = True
         self._entries.clear()
         self._structures.clear()
         self._seen_once.clear()

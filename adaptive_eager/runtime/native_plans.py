@@ -200,10 +200,10 @@ def publish_counts() -> None:
     ext = native.loaded()
     if ext is None:
         return
-    deferred, fused_runs, fused_ops, _, cold_ops, cold_runs, cold_misses, direct = \
-        ext.take_counts()
+    deferred, fused_runs, fused_ops, _, cold_ops, cold_runs, cold_misses, direct, \
+        replayed = ext.take_counts()
     counters.add("ops_seen", deferred + cold_ops)
-    counters.add("per_op_executions", cold_ops)
+    counters.add("per_op_executions", cold_ops + replayed)
     counters.add("native_cold_runs", cold_runs)
     if cold_misses:
         counters.fallback("cold_plan_missed", cold_misses)
@@ -215,16 +215,22 @@ def publish_counts() -> None:
 
 # ---------------------------------------------------------------- the calls back from C++
 
-def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> bool:
+REFUSED_RUN, FUSED_RUN, PER_OP_RUN = 0, 1, 2     # _launch's answers (hot_path.cpp, Launched)
+
+
+def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> int:
     """Run a registered kernel at its segment's end (versions are kept by the caller).
-    False: it is gone or failed (demoted), and the caller hands the run over."""
+    REFUSED_RUN: it is gone or failed (demoted), and the caller hands the run over;
+    PER_OP_RUN: its trial wants this run per-op (the caller runs it and calls _ran_per_op)."""
     variant = _variants.get(handle)
     runtime = interceptors.current_runtime()
     if variant is None or runtime is None:
-        return False
+        return REFUSED_RUN
     judged = variant.entry.judged or config.KEEP_UNPROFITABLE
     if not judged and runtime.table.wants_eager_run(variant):
-        return False                    # Python's engine runs it per-op, timed
+        # Note [Side by side]: timed beside the kernel's, in C++ (where a test states times,
+        # by Python's engine, whose ops read that clock: Note [Clock])
+        return PER_OP_RUN if clock.is_the_machines() else REFUSED_RUN
     started = clock.perf_counter()
     try:
         if torch.autograd.profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu"):
@@ -235,7 +241,7 @@ def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> bool:
             variant.kernel(*inputs, *buffers)
     except Exception as err:  # a kernel that fails at run time is dropped, not fatal
         runtime.table.demote(variant, f"kernel_error: {type(err).__name__}: {err}")
-        return False
+        return REFUSED_RUN
     variant.untouched_runs += 1
     if judged and not variant.direct_tried:
         _call_from_cpp(variant)
@@ -247,7 +253,16 @@ def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> bool:
                             variant.untouched_runs)
         variant.untouched_runs = 0
     runtime.ran_native_kernel(variant)
-    return True
+    return FUSED_RUN
+
+
+def _ran_per_op(handle: int, seconds: float) -> None:
+    """The extension ran a trial's per-op run of a kernel's segment: ``seconds`` in its ops
+    (Note [Side by side])."""
+    variant = _variants.get(handle)
+    runtime = interceptors.current_runtime()
+    if variant is not None and runtime is not None:
+        runtime.table.touch_eager(variant, seconds)
 
 
 def _call_from_cpp(variant) -> None:
@@ -307,8 +322,8 @@ def _take_counts(table, ext, runtime=None) -> None:
 def _set_callbacks(ext) -> None:
     global _callbacks_set
     if not _callbacks_set:
-        ext.set_hot_callbacks(_launch, _takeover, RETRY, _harvest, HARVEST_EVERY,
-                              HARVEST_AFTER_S)
+        ext.set_hot_callbacks(_launch, _takeover, RETRY, _harvest, _ran_per_op,
+                              HARVEST_EVERY, HARVEST_AFTER_S)
         _callbacks_set = True
 
 

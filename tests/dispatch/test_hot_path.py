@@ -192,3 +192,21 @@ def test_a_judged_kernel_is_called_from_cpp_and_matches_eager():
     assert stats.native_direct_executions >= 20, stats
     for out in outs:
         torch.testing.assert_close(out, chain(x, x))
+
+
+def test_a_kernel_on_trial_runs_its_per_op_runs_in_cpp_and_they_equal_eager():
+    """Note [Side by side]: the runs a kernel's trial wants per-op are replayed from C++
+    (replay.cpp), timed, into the tensors the program holds; no run goes to Python's
+    engine."""
+    x, w = torch.randn(64), torch.randn(64)
+    with config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
+        outs = [chain(x, w) for _ in range(16)]
+        ae.sync()
+        [entry] = engine.shared_table().entries()
+        assert len(entry.control_samples) >= 2 and all(s > 0 for s in entry.control_samples)
+        assert entry.judged
+        stats = ae.stats()
+    # recorded twice, and once more if the verdict dropped the kernel; never handed over
+    assert stats.segments_recorded <= 3 and stats.divergences == 0, stats
+    for out in outs:
+        assert_equal(out, chain(x, w), bitwise=True)
