@@ -74,6 +74,9 @@ struct Output {                     // a computing op's output, held weakly (Not
   WeakImpl impl;
   WeakStorage storage;
   bool pooled;                      // its storage is the pool's (which holds one reference)
+  // A later computing op returned a tensor on this storage (a cold run's _unsafe_view of a
+  // bmm): that tensor holds it, not a copy of this one (runtime/segment.py, _watch_storage).
+  bool storage_taken = false;
 };
 
 // The memory of large deferred outputs, reused once nothing but the pool refers to it, as
@@ -308,8 +311,11 @@ void remember_output(Run& run, const at::Tensor& t, Ref ref, bool computed, bool
   if (!t.has_storage()) return;
   WeakStorage storage = t.storage().getWeakStorageImpl();
   run.placed.push_back(Placed{t.storage().unsafeGetStorageImpl(), layout_of(t), ref});
-  if (computed)
-    run.computed.push_back(Output{ref, WeakImpl(t.getIntrusivePtr()), storage, pooled});
+  if (!computed) return;
+  const c10::StorageImpl* place = t.storage().unsafeGetStorageImpl();
+  for (Output& earlier : run.computed)
+    earlier.storage_taken |= earlier.storage._unsafe_get_target() == place;
+  run.computed.push_back(Output{ref, WeakImpl(t.getIntrusivePtr()), storage, pooled});
 }
 
 // A matched call's new external inputs join the run.
@@ -439,6 +445,7 @@ const Meta& meta_of(const Plan& plan, Ref ref) { return plan.ops[ref.op].outs[re
 // Is something else than the pool holding the storage of a dead output (a view, autograd's
 // shallow copy)?
 bool held_elsewhere(const Output& out) {
+  if (out.storage_taken) return false;
   auto storage = out.storage.lock();
   return storage && storage.use_count() > (out.pooled ? 2u : 1u);   // (the pool's, this lock)
 }

@@ -162,3 +162,22 @@ def test_a_reset_forgets_every_cold_plan():
         assert native_plans.registered()
     ae.reset()
     assert not native_plans.registered()
+
+
+def test_an_output_returned_on_an_earlier_output_s_memory_does_not_keep_it_live():
+    """A cold run's ops run for real: ``_unsafe_view`` returns the bmm's memory. Python's
+    recording takes the later output for the holder of that memory (the earlier one is not
+    live through it), and so must C++'s runs, or every run of such a key misses."""
+    a, b = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 8, 4)   # 4-d: bmm, then _unsafe_view
+
+    def matmul_then_scale(a, b):
+        return (a * 2.0) @ b               # the result kept: on the bmm's memory
+
+    with config.patch(COMPILE=False), ae.enabled():
+        kept = [matmul_then_scale(a, b) for _ in range(30)]
+        ae.sync()
+        stats = ae.stats()
+    assert not stats.fallbacks.get("cold_plan_missed"), stats
+    assert stats.native_cold_runs >= 25, stats
+    for out in kept:
+        assert_equal(out, matmul_then_scale(a, b), bitwise=True)
