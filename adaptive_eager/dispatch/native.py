@@ -33,8 +33,9 @@ from adaptive_eager.config import _default_cache_dir, config
 NAME = "adaptive_eager_intercept"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 SOURCES = tuple(os.path.join(_CSRC, name) for name in ("intercept.cpp", "hot_path.cpp",
-                                                        "plans.cpp", "replay.cpp"))
-HEADERS = tuple(os.path.join(_CSRC, name) for name in ("hot_path.h", "plans.h"))
+                                                        "run_end.cpp", "plans.cpp",
+                                                        "replay.cpp"))
+HEADERS = tuple(os.path.join(_CSRC, name) for name in ("hot_path.h", "run.h", "plans.h"))
 BUILD_TIMEOUT_S = 600          # a build (or a wait for another process's) taking longer fails
 BUILD_LOG = "build.log"
 
