@@ -360,7 +360,7 @@ bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::S
     if (advance(run, op, ks, stack)) return true;
     end_run(run);                  // fused, or Python's now (which may open its segment)
   }
-  if (t_open) return false;
+  if (t_open || thread_paused()) return false;   // (a harvest may have paused it)
   const auto& trie = current_trie();
   if (!trie) return false;
   const Context context = current_context();

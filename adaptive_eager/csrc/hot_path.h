@@ -11,6 +11,9 @@ namespace adaptive_eager {
 // stack; false: Python must see it (any deferred run has been ended first).
 bool hot_path_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
+// Is this thread paused (passing ops straight through: intercept.cpp)?
+bool thread_paused();
+
 // Is Python's answer to an op "a segment just ended at it: try your hot path, then ask me
 // again" (the stack is untouched)?
 bool is_retry(PyObject* answer);

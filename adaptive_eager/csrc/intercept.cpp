@@ -162,8 +162,13 @@ void fallback(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stac
     return pass_through(op, ks, stack);
   // Note [The C++ hot path]: the op may be deferred in C++; else Python sees it, and when
   // Python ended a segment at it, the C++ hot path may begin the next one with it.
-  if (adaptive_eager::hot_path_op(op, ks, stack) || call_python(op, stack)) return;
-  if (adaptive_eager::hot_path_op(op, ks, stack) || call_python(op, stack)) return;
+  // A harvest inside the hot path may pause the thread (Note [Cold plans]): then the op
+  // passes through.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    if (adaptive_eager::hot_path_op(op, ks, stack)) return;
+    if (t_paused) return pass_through(op, ks, stack);
+    if (call_python(op, stack)) return;
+  }
   TORCH_CHECK(false, "adaptive_eager: ", op.schema().name(), " was sent back twice");
 }
 
@@ -183,6 +188,8 @@ std::string install() {
 }
 
 }  // namespace
+
+bool adaptive_eager::thread_paused() { return t_paused; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "adaptive_eager's C++ interception backend (Note [The Fake key])";

@@ -491,7 +491,12 @@ class Runtime:
             self.unpaid_s = 0.0                # a pause would still back off (a known kernel
             self.quiet_segments = self.quiet_count = 0   # is no news)
 
-    def _watch(self, entry) -> None:
+    def ran_cold(self, entry, runs: int) -> None:
+        """The extension ran ``runs`` of ``entry``'s segment per-op (Note [Cold plans] in
+        csrc/plans.cpp): they count toward a pause as Python's own per-op runs do."""
+        self._watch(entry, runs)
+
+    def _watch(self, entry, runs: int = 1) -> None:
         """Note [Pausing]: a Python dispatch mode costs more than a tiny op itself. Once
         segments with nothing fused or worth compiling add up to PAUSE_WINDOW, ask to stop
         intercepting; the pause takes effect, and ends, at control points outside the mode
@@ -503,8 +508,8 @@ class Runtime:
         steps) lasts until one lands, which a control point notices; a loop that passes no
         control point would never notice, so there it does not pause while compiles wait or
         run."""
-        self._count_control_points()
-        self._segments_since_kernel += 1
+        self._count_control_points(runs)
+        self._segments_since_kernel += runs
         if entry is None or entry.promising:
             self.quiet_segments = self.quiet_count = 0
             self.pause_backoff_s = PAUSE_FIRST_S
@@ -513,8 +518,8 @@ class Runtime:
             self.quiet_segments = self.quiet_count = 0
             return
         weight = self._weight(entry)
-        self.quiet_segments += weight
-        self.quiet_count += 1
+        self.quiet_segments += weight * runs
+        self.quiet_count += runs
         enough = self.quiet_count >= MIN_QUIET_SEGMENTS or weight >= config.PAUSE_WINDOW
         if self.quiet_segments >= config.PAUSE_WINDOW and enough and config.PAUSE and \
                 not self.pause_requested:
@@ -549,12 +554,12 @@ class Runtime:
     def _kernel_ran_lately(self) -> bool:
         return self._segments_since_kernel < config.PAUSE_WINDOW
 
-    def _count_control_points(self) -> None:
+    def _count_control_points(self, segments: int = 1) -> None:
         points = control.points_passed()
         if points != self._points_seen:
             self._points_seen, self._segments_since_point = points, 0
         else:
-            self._segments_since_point += 1
+            self._segments_since_point += segments
 
     def _control_points_pass(self) -> bool:
         """Has the program passed a control point within the last PAUSE_WINDOW segments

@@ -294,6 +294,9 @@ def _harvest() -> None:
         return
     _take_counts(runtime.table, ext, runtime)
     runtime.table.poll_compiles()
+    if runtime.pause_requested:                # cold runs of keys that never pay: pause now
+        from adaptive_eager import api         # (between two ops: hot_path_op checks)
+        api.control_point()
 
 
 def _take_counts(table, ext, runtime=None) -> None:
@@ -312,7 +315,10 @@ def _take_counts(table, ext, runtime=None) -> None:
             continue
         if runs and not table.observe_runs(entry, runs, wall_s, compute_s, fusible_s):
             unwatch(entry)                     # forgotten meanwhile
-        elif misses > runs:                    # Python's recording finds what comes instead
+            continue
+        if runs and runtime is not None:
+            runtime.ran_cold(entry, runs)      # Note [Pausing] (runtime/engine.py)
+        if misses > runs:                    # Python's recording finds what comes instead
             unwatch(entry)
             entry.cold_refused = True
             log.debug("decision=cold_plan_dropped key=%s misses=%d runs=%d", entry.digest,

@@ -181,3 +181,16 @@ def test_an_output_returned_on_an_earlier_output_s_memory_does_not_keep_it_live(
     assert stats.native_cold_runs >= 25, stats
     for out in kept:
         assert_equal(out, matmul_then_scale(a, b), bitwise=True)
+
+
+def test_a_bare_loop_of_keys_that_never_pay_pauses_from_a_harvest():
+    """Note [Pausing]: C++'s cold runs count toward a pause as Python's per-op runs do, and
+    a harvest (between two ops) starts it: such a loop then runs plain eager, though Python
+    never sees its ops."""
+    x, w = torch.randn(256), torch.randn(256)
+    with config.patch(COMPILE=False, PAUSE=True, PAUSE_WINDOW=20), ae.enabled():
+        outs = [step(x, w) for _ in range(500)]
+        assert ae.is_paused() and ae.stats().pauses >= 1
+        assert ae.stats().segments_recorded == 2
+    for out in outs:
+        assert_equal(out, step(x, w), bitwise=True)
