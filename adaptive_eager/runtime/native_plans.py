@@ -76,13 +76,8 @@ def offer(variant, trie, ext) -> None:
         variant.native_handle = REFUSED
         log.debug("decision=native_refused key=%s reason=%s", entry.digest, err)
         return
-    _set_callbacks(ext)
-    with _lock:
-        handle = next(_handles)
-        refused = ext.plan_add(handle, False, variant.segment, *plan)
-        variant.native_handle = REFUSED if refused else handle
-        if not refused:
-            _variants[handle] = variant
+    handle, refused = _register(ext, False, variant.segment, plan, _variants, variant)
+    variant.native_handle = REFUSED if refused else handle
     if refused:
         log.debug("decision=native_refused key=%s reason=%s", entry.digest, refused)
 
@@ -115,15 +110,22 @@ def watch(entry, ext) -> None:
         entry.cold_refused = True
         log.debug("decision=cold_plan_refused key=%s reason=%s", entry.digest, err)
         return
+    handle, refused = _register(ext, True, segment, plan, _watched, entry)
+    if refused:
+        entry.cold_refused = True
+    else:
+        entry.cold_plan = handle
+
+
+def _register(ext, cold: bool, segment, plan: tuple, registry: dict, owner) -> tuple:
+    """plan_add under a new handle, kept in ``registry`` unless refused: (handle, why not)."""
     _set_callbacks(ext)
     with _lock:
         handle = next(_handles)
-        refused = ext.plan_add(handle, True, segment, *plan)
-        if refused:
-            entry.cold_refused = True
-        else:
-            entry.cold_plan = handle
-            _watched[handle] = entry
+        refused = ext.plan_add(handle, cold, segment, *plan)
+        if not refused:
+            registry[handle] = owner
+    return handle, refused
 
 
 def unwatch(entry) -> None:
