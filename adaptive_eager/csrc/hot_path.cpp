@@ -246,25 +246,36 @@ void commit_inputs(Run& run, Pending& pending) {
   }
 }
 
+// The matched call of `node` becomes the run's next op: its new inputs join; its index.
+int32_t begin_op(Run& run, const Node& node, Pending& pending) {
+  commit_inputs(run, pending);
+  run.first_output.push_back(static_cast<int32_t>(run.outputs.size()));
+  return node.depth - 1;
+}
+
+// Remember the tensors an op that ran left on the stack (`computed`: a kernel writes them).
+void remember_returns(Run& run, const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                      int32_t index, bool computed) {
+  auto returns = torch::jit::last(*stack, op.schema().returns().size());
+  int32_t k = 0;
+  for (const IValue& value : returns) {
+    if (value.isTensor()) {
+      remember_output(run, value.toTensor(), Ref{index, k++}, computed, false);
+    } else if (value.isTensorList()) {
+      for (const at::Tensor& t : value.toTensorVector())
+        remember_output(run, t, Ref{index, k++}, computed, false);
+    }
+  }
+}
+
 void defer(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKeySet ks,
            torch::jit::Stack* stack, Pending& pending) {
-  commit_inputs(run, pending);
+  const int32_t index = begin_op(run, node, pending);
   const OpSpec& spec = *node.spec;
-  const int32_t index = node.depth - 1;
-  run.first_output.push_back(static_cast<int32_t>(run.outputs.size()));
   c10::impl::ExcludeDispatchKeyGuard guard(kKey);
   if (spec.kind == Kind::View) {          // metadata only: safe on unfilled buffers
     op.redispatchBoxed(ks & kBelow, stack);
-    auto returns = torch::jit::last(*stack, op.schema().returns().size());
-    int32_t k = 0;
-    for (const IValue& value : returns) {
-      if (value.isTensor()) {
-        remember_output(run, value.toTensor(), Ref{index, k++}, false, false);
-      } else if (value.isTensorList()) {
-        for (const at::Tensor& t : value.toTensorVector())
-          remember_output(run, t, Ref{index, k++}, false, false);
-      }
-    }
+    remember_returns(run, op, stack, index, false);
   } else if (spec.kind == Kind::Fusible) {
     torch::jit::drop(*stack, spec.args.size());
     c10::SmallVector<at::Tensor, 4> outs;
@@ -300,10 +311,8 @@ void defer(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKe
 // _run_cold), timed; its outputs are remembered so later calls of the path match.
 void run_cold(Run& run, const Node& node, const c10::OperatorHandle& op, DispatchKeySet ks,
               torch::jit::Stack* stack, Pending& pending) {
-  commit_inputs(run, pending);
+  const int32_t index = begin_op(run, node, pending);
   const OpSpec& spec = *node.spec;
-  const int32_t index = node.depth - 1;
-  run.first_output.push_back(static_cast<int32_t>(run.outputs.size()));
   std::vector<at::Tensor> written;
   if (!spec.written_lists.empty()) {
     auto args = torch::jit::last(*stack, spec.args.size());
@@ -320,19 +329,8 @@ void run_cold(Run& run, const Node& node, const c10::OperatorHandle& op, Dispatc
   if (spec.extern_op) run.extern_s += seconds;
   for (const at::Tensor& t : written)
     if (!t.is_inference()) torch::autograd::impl::bump_version(t);
-  if (spec.kind != Kind::Mutating) {      // a mutating op returns tensors the run knows
-    auto returns = torch::jit::last(*stack, op.schema().returns().size());
-    const bool computed = spec.kind == Kind::Fusible;
-    int32_t k = 0;
-    for (const IValue& value : returns) {
-      if (value.isTensor()) {
-        remember_output(run, value.toTensor(), Ref{index, k++}, computed, false);
-      } else if (value.isTensorList()) {
-        for (const at::Tensor& t : value.toTensorVector())
-          remember_output(run, t, Ref{index, k++}, computed, false);
-      }
-    }
-  }
+  if (spec.kind != Kind::Mutating)        // a mutating op returns tensors the run knows
+    remember_returns(run, op, stack, index, spec.kind == Kind::Fusible);
   run.node = &node;
   g_cold_ops.fetch_add(1, std::memory_order_relaxed);
 }

@@ -131,25 +131,24 @@ def _register(ext, cold: bool, segment, plan: tuple, registry: dict, owner) -> t
 def unwatch(entry) -> None:
     """``entry`` got a kernel, was forgotten, or its plan missed: Python sees its runs again."""
     handle = entry.cold_plan
-    if handle is None:
-        return
-    ext = native.loaded()
-    with _lock:
-        _watched.pop(handle, None)
+    if handle is not None:
         entry.cold_plan = None
-        if ext is not None:
-            ext.plan_remove(handle)
+        _unregister(_watched, handle)
 
 
 def forget(variant) -> None:
     """``variant`` left the trie: C++ must not run it either."""
     handle = variant.native_handle
-    if handle is None or handle == REFUSED:
-        return
+    if handle is not None and handle != REFUSED:
+        variant.native_handle = None
+        _unregister(_variants, handle)
+
+
+def _unregister(registry: dict, handle: int) -> None:
+    """Out of ``registry`` and out of the extension (_register's inverse)."""
     ext = native.loaded()
     with _lock:
-        _variants.pop(handle, None)
-        variant.native_handle = None
+        registry.pop(handle, None)
         if ext is not None:
             ext.plan_remove(handle)
 
