@@ -168,10 +168,12 @@ def clear() -> None:
 
 def touch_pending(table) -> None:
     """Count the C++ launches ``_launch`` has not counted yet, and the cold runs not
-    harvested yet (the table is being written)."""
+    harvested yet (the table is being written, or ae.sync()): as a harvest does, toward
+    this thread's pausing too."""
     ext = native.loaded()
     if ext is not None and (_watched or _variants):
-        _take_counts(table, ext)
+        runtime = interceptors.current_runtime()
+        _take_counts(table, ext, None if runtime is None or runtime.stood_aside else runtime)
     with _lock:
         pending = [variant for variant in _variants.values() if variant.untouched_runs]
     for variant in pending:
