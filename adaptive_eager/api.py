@@ -14,7 +14,7 @@ from adaptive_eager.config import config
 from adaptive_eager.dispatch import control, escapes
 from adaptive_eager.dispatch import interceptor as interceptors
 from adaptive_eager.fork_safety import at_fork
-from adaptive_eager.runtime import clock, engine, native_plans
+from adaptive_eager.runtime import clock, engine, native_plans, scalars
 from adaptive_eager.runtime.allocator import keep_freed_memory
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.gc_freeze import freeze_gc, unfreeze_gc
@@ -364,4 +364,5 @@ def reset() -> None:
     global _last_backend
     _last_backend = ""
     engine.reset_shared_table()
+    scalars.reset()
     counters.reset()

@@ -24,6 +24,7 @@
 #include "run.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
@@ -140,6 +141,28 @@ bool shares_outside_memory(const at::Tensor& t) {
 // A call's new external inputs, committed only when the whole call matched.
 using Pending = c10::SmallVector<at::Tensor, 4>;   // (no allocation per op)
 
+// Note [Lifted scalars] (runtime/scalars.py): each float becomes the next new input, a 0-dim
+// float64 tensor, numbered as Python numbers them (after the call's tensors: Python lifts
+// once the call is encoded). A float recorded elsewhere does not match.
+bool lifted_matches(const Run& run, const ArgSpec& spec, const IValue& value,
+                    Pending& pending) {
+  auto take = [&](const IValue& item, int32_t input) {
+    if (!item.isDouble() ||
+        input != static_cast<int32_t>(run.inputs.size() + pending.size()))
+      return false;
+    // made without an op: one would come back to this thread's interception
+    pending.push_back(at::detail::scalar_tensor_static(item.toDouble(), at::kDouble, at::kCPU));
+    return true;
+  };
+  if (!spec.lifted_list) return take(value, spec.lifted[0]);
+  if (!value.isList()) return false;
+  auto items = value.toListRef();
+  if (items.size() != spec.lifted.size()) return false;
+  for (size_t k = 0; k < items.size(); ++k)
+    if (!take(items[k], spec.lifted[k])) return false;
+  return true;
+}
+
 std::optional<Ref> ref_of(Run& run, const at::Tensor& t, const Pending& pending) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (const Ref* found = run.known_ref(impl)) return *found;
@@ -188,6 +211,7 @@ bool call_matches(Run& run, const OpSpec& spec, const c10::OperatorHandle& op,
                   torch::jit::Stack* stack, Pending& pending) {
   if (!(spec.op == op)) return false;
   auto args = torch::jit::last(*stack, spec.args.size());
+  c10::SmallVector<size_t, 2> lifted;
   for (size_t i = 0; i < spec.args.size(); ++i) {
     const ArgSpec& arg = spec.args[i];
     const IValue& value = args[i];
@@ -201,6 +225,9 @@ bool call_matches(Run& run, const OpSpec& spec, const c10::OperatorHandle& op,
         break;
       case ArgSpec::WrappedNumber:
         if (!value.isTensor() || !same_number(arg.value, value.toTensor())) return false;
+        break;
+      case ArgSpec::Lifted:
+        lifted.push_back(i);                  // after the call's tensors, as Python does
         break;
       case ArgSpec::TensorList: {
         if (!value.isList()) return false;
@@ -219,6 +246,8 @@ bool call_matches(Run& run, const OpSpec& spec, const c10::OperatorHandle& op,
       }
     }
   }
+  for (size_t i : lifted)
+    if (!lifted_matches(run, spec.args[i], args[i], pending)) return false;
   return true;
 }
 

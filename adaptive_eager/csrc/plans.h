@@ -56,9 +56,13 @@ struct TensorSpec {
 struct ArgSpec {
   // WrappedNumber: a Python number passed for a Tensor argument (a 0-dim CPU tensor marked
   // as such, which Python's engine sees and keys as the number: 2.0 in x * 2.0).
-  enum Type : int8_t { Value, Tensor, TensorList, WrappedNumber } type;
+  // Lifted: a float, or a list of them, that is no key part but the external inputs
+  // `lifted` (0-dim float64 tensors; Note [Lifted scalars] in runtime/scalars.py).
+  enum Type : int8_t { Value, Tensor, TensorList, WrappedNumber, Lifted } type;
   c10::IValue value;          // Value (the schema default where omitted), WrappedNumber
   std::vector<std::optional<TensorSpec>> tensors;  // Tensor: one; TensorList: each (None)
+  std::vector<int32_t> lifted;                     // Lifted: the input of each float
+  bool lifted_list = false;                        // Lifted: a list of floats
 };
 
 struct OpSpec {

@@ -27,6 +27,16 @@ at::Tensor wrapped_number(const c10::IValue& value) {
   return t;
 }
 
+// Note [Lifted scalars] (runtime/scalars.py): the floats are the run's inputs.
+// Read in place (0-dim float64 CPU tensors): an item() op would come back to interception.
+c10::IValue lifted_value(const ArgSpec& spec, const std::vector<at::Tensor>& inputs) {
+  auto value = [&](int32_t input) { return *inputs.at(input).const_data_ptr<double>(); };
+  if (!spec.lifted_list) return value(spec.lifted[0]);
+  c10::List<double> list;
+  for (int32_t input : spec.lifted) list.push_back(value(input));
+  return list;
+}
+
 bool optional_items(const c10::Argument& argument) {
   auto list = argument.real_type()->cast<c10::ListType>();
   return list && list->getElementType()->kind() == c10::OptionalType::Kind;
@@ -38,6 +48,7 @@ c10::IValue argument_value(const ArgSpec& spec, const c10::Argument& argument,
     case ArgSpec::Value: return spec.value;
     case ArgSpec::WrappedNumber: return wrapped_number(spec.value);
     case ArgSpec::Tensor: return tensor_at(*spec.tensors[0], inputs, values);
+    case ArgSpec::Lifted: return lifted_value(spec, inputs);
     case ArgSpec::TensorList: break;
   }
   if (optional_items(argument)) {

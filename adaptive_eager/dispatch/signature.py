@@ -43,6 +43,29 @@ class ScalarArg(NamedTuple):
     value: Any
 
 
+class LiftedScalar:
+    """A float argument that changes between runs of one segment (Note [Lifted scalars] in
+    runtime/scalars.py): its value is the external input ``ref`` (a 0-dim float64 tensor), so
+    the key holds where it is, not what it is. Not a tuple, so that walks over encoded
+    arguments never descend into it."""
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Ref) -> None:
+        self.ref = ref
+
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is LiftedScalar and other.ref == self.ref
+
+    def __hash__(self) -> int:
+        return hash(("lifted", self.ref))
+
+    def __repr__(self) -> str:          # part of stable digests: keep it fixed
+        return f"LiftedScalar({self.ref!r})"
+
+    def __reduce__(self):
+        return LiftedScalar, (self.ref,)
+
+
 class TensorMeta(NamedTuple):
     """What it takes to allocate a tensor like a recorded output."""
     shape: tuple
@@ -105,8 +128,9 @@ def encode_call(args: tuple, kwargs: dict, arg_of: Callable) -> tuple[tuple, tup
 
 
 def decode(encoded: Any, tensor_of: Callable[[TensorArg], Any]) -> Any:
-    """Inverse of ``encode``, with each TensorArg replaced by ``tensor_of(arg)``."""
-    if isinstance(encoded, TensorArg):
+    """Inverse of ``encode``, with each TensorArg (and LiftedScalar) replaced by
+    ``tensor_of(arg)``."""
+    if isinstance(encoded, TensorArg) or type(encoded) is LiftedScalar:
         return tensor_of(encoded)
     if isinstance(encoded, ScalarArg):
         return encoded.value
@@ -128,6 +152,8 @@ def without_input_identity(encoded: Any) -> Any:
     """``encoded`` with every external input's number erased: the same call on other inputs."""
     if isinstance(encoded, TensorArg):
         return encoded._replace(ref=("in",)) if encoded.ref[0] == "in" else encoded
+    if type(encoded) is LiftedScalar:
+        return LiftedScalar(("in",))
     if isinstance(encoded, tuple) and not isinstance(encoded, ScalarArg):
         return tuple([without_input_identity(item) for item in encoded])
     return encoded

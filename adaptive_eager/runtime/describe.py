@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS, ScalarArg, TensorArg
+from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS, LiftedScalar, ScalarArg, TensorArg
 from adaptive_eager.runtime.segment import Segment
 
 _DTYPE_NAMES = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
@@ -29,6 +29,8 @@ def render(encoded: Any) -> str:
         return f"{ref_name(encoded.ref)}:{dtype}{list(encoded.shape)}"
     if isinstance(encoded, ScalarArg):
         return repr(encoded.value)
+    if type(encoded) is LiftedScalar:             # Note [Lifted scalars]
+        return f"{ref_name(encoded.ref)}.item()"
     if isinstance(encoded, tuple):
         return "[" + ", ".join(render(item) for item in encoded) + "]"
     return str(encoded)

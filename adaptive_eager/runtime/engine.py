@@ -369,7 +369,7 @@ class Runtime:
         builder = self._current_builder()
         known_inputs = len(builder.inputs)
         try:
-            encoded_args, encoded_kwargs = builder.encode(args, kwargs)
+            encoded_args, encoded_kwargs = builder.encode(func, args, kwargs)
         except Unkeyable as err:
             return self._run_boundary(func, args, kwargs, err.reason)
         signature = (func, encoded_args, encoded_kwargs)

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from adaptive_eager.dispatch.ops import OpKind
-from adaptive_eager.dispatch.signature import Ref, TensorArg, decode
+from adaptive_eager.dispatch.signature import LiftedScalar, Ref, TensorArg, decode
 from adaptive_eager.runtime import clock
 from adaptive_eager.runtime.segment import SINGLE, VOID, OpRecord, Segment, flatten_outputs
 
@@ -27,7 +27,9 @@ def build_graph(segment: Segment, live_refs: tuple[Ref, ...]) -> fx.GraphModule:
     buffers = [graph.placeholder(f"out_{k}") for k in range(len(live_refs))]
     values: dict[Ref, fx.Node] = {}
 
-    def node_of(arg: TensorArg) -> fx.Node:
+    def node_of(arg: TensorArg | LiftedScalar) -> fx.Node:
+        if type(arg) is LiftedScalar:        # Note [Lifted scalars] (runtime/scalars.py)
+            return graph.call_function(aten._local_scalar_dense.default, (inputs[arg.ref[1]],))
         return inputs[arg.ref[1]] if arg.ref[0] == "in" else values[arg.ref]
 
     for index, op in enumerate(segment.ops):
@@ -69,7 +71,9 @@ def run_eagerly(ops: Iterable[OpRecord], inputs: list,
     values: dict[Ref, torch.Tensor] = {}
     seconds = 0.0
 
-    def tensor_of(arg: TensorArg) -> torch.Tensor:
+    def tensor_of(arg: TensorArg | LiftedScalar) -> torch.Tensor | float:
+        if type(arg) is LiftedScalar:
+            return inputs[arg.ref[1]].item()
         return inputs[arg.ref[1]] if arg.ref[0] == "in" else values[arg.ref]
 
     for index, op in enumerate(ops):

@@ -14,7 +14,7 @@ import cachetools
 
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import control
-from adaptive_eager.runtime import clock
+from adaptive_eager.runtime import clock, scalars
 from adaptive_eager.runtime.decisions import decide, logged as decision_logged
 from adaptive_eager.runtime.entries import KeyEntry, KeyState, Structure, structure_of
 from adaptive_eager.runtime.records import Records
@@ -106,6 +106,7 @@ class KeyBook:
         if sighting is not None:
             return self._entry_seen_before(segment, sighting)
         counters.add("keys_seen")
+        scalars.learn(segment.key)            # Note [Lifted scalars]
         entry = KeyEntry(segment)
         if self._records.warm:
             self._records.recall(entry)

@@ -23,7 +23,8 @@ from adaptive_eager.config import config
 from adaptive_eager.dispatch import interceptor as interceptors
 from adaptive_eager.dispatch import native
 from adaptive_eager.dispatch.ops import OpKind
-from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS, ScalarArg, TensorArg, decode
+from adaptive_eager.dispatch.signature import (KEY_CONTEXT_FIELDS, LiftedScalar, ScalarArg,
+                                               TensorArg, decode)
 from adaptive_eager.runtime import clock
 from adaptive_eager.runtime.stats import counters
 
@@ -424,6 +425,10 @@ def _arg_spec(encoded, argument) -> tuple:
         return ("t", _tensor_spec(encoded))
     if type(encoded) is ScalarArg and str(argument.type) in _TENSOR_TYPES:
         return ("w", encoded.value, _NUMBER_KINDS[encoded.kind])   # x * 2.0: a wrapped number
+    if type(encoded) is LiftedScalar:                  # Note [Lifted scalars]
+        return ("s", [encoded.ref[1]], False)
+    if type(encoded) is tuple and encoded and all(type(i) is LiftedScalar for i in encoded):
+        return ("s", [item.ref[1] for item in encoded], True)
     if type(encoded) is tuple and any(type(item) is TensorArg for item in encoded):
         if not all(item is None or type(item) is TensorArg for item in encoded):
             raise Unsupported("a list of tensors and other values")

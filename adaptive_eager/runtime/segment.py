@@ -38,6 +38,7 @@ from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkey
                                                is_cpu_scalar, is_plain_tensor, tensor_arg,
                                                tensor_args, without_input_identity)
 from adaptive_eager.runtime import clock
+from adaptive_eager.runtime.scalars import lift, lifted_positions
 
 SINGLE, TUPLE, LIST, VOID = "single", "tuple", "list", "void"
 _new_tuple = tuple.__new__      # skips OpRecord's Python-level __new__: once per recorded op
@@ -189,14 +190,18 @@ class SegmentBuilder:
         if tensor.device.type != "cpu" or tensor.dim():   # 0-dim CPU scalars go anywhere
             self.device = self.device or tensor.device
 
-    def encode(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
-        """Encode an op's arguments; on failure, forget inputs this call registered.
+    def encode(self, func, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+        """Encode the arguments of a call of ``func``; on failure, forget inputs this call
+        registered. Floats where ``func`` lifts them become inputs (Note [Lifted scalars]).
 
         Raises Unkeyable for arguments no key can hold, and for ops that leave the segment's
         device (cross-device copies are boundaries)."""
         registered = len(self.inputs)
         try:
             encoded = encode_call(args, kwargs, self._tensor_arg)
+            positions = lifted_positions(func)
+            if positions is not None:
+                encoded = self._lift(positions, *encoded)
             device = kwargs.get("device")
             if device is not None and torch.device(device) != self.device:
                 self._enter_device(torch.device(device))
@@ -204,6 +209,14 @@ class SegmentBuilder:
         except Unkeyable:
             self.drop_inputs_from(registered)
             raise
+
+    def _lift(self, positions: frozenset, args: tuple, kwargs: tuple) -> tuple[tuple, tuple]:
+        new_input = self._new_input
+        args = tuple([lift(arg, new_input) if index in positions else arg
+                      for index, arg in enumerate(args)])
+        kwargs = tuple([(name, lift(value, new_input) if name in positions else value)
+                        for name, value in kwargs])
+        return args, kwargs
 
     def drop_inputs_from(self, count: int) -> None:
         """Forget external inputs registered after the first ``count`` (an op that was encoded

@@ -35,6 +35,8 @@ class Stats:
     native_cold_runs: int = 0       # segments C++ ran per-op without Python (Note [Cold
                                     # plans] in csrc/plans.cpp)
     divergences: int = 0
+    lifted_positions: int = 0       # float arguments that became kernel inputs (Note [Lifted
+                                    # scalars] in runtime/scalars.py)
     cache_hits_memory: int = 0
     cache_hits_disk: int = 0
     cache_load_seconds: float = 0.0

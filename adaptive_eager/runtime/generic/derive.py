@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 from typing import Any, Sequence
 
-from adaptive_eager.dispatch.signature import ScalarArg, TensorArg, TensorMeta
+from adaptive_eager.dispatch.signature import LiftedScalar, ScalarArg, TensorArg, TensorMeta
 from adaptive_eager.runtime.generic.model import (Dim, GenericMeta, GenericSegment, NotGeneric,
                                                   Size, SizeExpr, dense_order, size_at)
 from adaptive_eager.runtime.generic.shapes import output_metas, shape_function
@@ -56,6 +56,14 @@ def varying_dims(variants: Sequence[Sequence[TensorMeta]]) -> tuple[Dim, ...] | 
 
 # ------------------------------------------------------------------ generalizing variants
 
+def _lifts_scalars(segment: Segment) -> bool:
+    def lifts(encoded) -> bool:
+        if type(encoded) is LiftedScalar:
+            return True
+        return type(encoded) is tuple and any(lifts(item) for item in encoded)
+    return any(lifts(op.args) or lifts(op.kwargs) for op in segment.ops)
+
+
 def generalize(variants: Sequence[Segment], symbolic: bool = True) -> GenericSegment:
     """One GenericSegment for these recorded variants of one op structure (the first is the
     example). Raises NotGeneric, saying why, where they differ in more than sizes that follow
@@ -64,6 +72,8 @@ def generalize(variants: Sequence[Segment], symbolic: bool = True) -> GenericSeg
     replay per new shape."""
     if len(variants) < 2:
         raise NotGeneric("needs at least two variants")
+    if _lifts_scalars(variants[0]):
+        raise NotGeneric("lifted scalars")      # Note [Lifted scalars]: not both, yet
     _check_structure(variants)
     varying = varying_dims([s.input_metas for s in variants])
     if varying is None:
