@@ -369,7 +369,7 @@ class Runtime:
         builder = self._current_builder()
         known_inputs = len(builder.inputs)
         try:
-            encoded_args, encoded_kwargs = builder.encode(func, args, kwargs)
+            encoded_args, encoded_kwargs = builder.encode(args, kwargs, func)
         except Unkeyable as err:
             return self._run_boundary(func, args, kwargs, err.reason)
         signature = (func, encoded_args, encoded_kwargs)
@@ -682,7 +682,10 @@ class Runtime:
         variant.on_probation = False
         counters.add("fused_executions")
         counters.add("fused_ops", len(builder))
-        self.table.touch(variant, seconds)
+        # Verify mode's runs time the check too: no samples for the profit trial (a kernel
+        # judged by them was dropped, and the verdict stored for good). A probation run is
+        # the trial's warm-up run, whose time is set aside anyway.
+        self.table.touch(variant, None if config.VERIFY != "off" else seconds)
         if self.native is not None:
             native_plans.offer(variant, self.table.trie, self.native)
         return True

@@ -37,7 +37,9 @@ class ProfitTrial:
             entry.fused_runs += runs
             if seconds is not None:
                 entry.add_sample(entry.fused_samples, seconds)
-            self._records.note(entry, fused_runs=runs, fused_ms=entry.fused_ms)
+            fused_ms = entry.fused_ms             # None where no run was timed (verify mode)
+            self._records.note(entry, fused_runs=runs,
+                               **({} if fused_ms is None else {"fused_ms": fused_ms}))
             self._judge_when_timed(variant)
         self._records.maybe_flush()
 

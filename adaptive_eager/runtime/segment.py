@@ -190,16 +190,17 @@ class SegmentBuilder:
         if tensor.device.type != "cpu" or tensor.dim():   # 0-dim CPU scalars go anywhere
             self.device = self.device or tensor.device
 
-    def encode(self, func, args: tuple, kwargs: dict) -> tuple[tuple, tuple]:
+    def encode(self, args: tuple, kwargs: dict, func=None) -> tuple[tuple, tuple]:
         """Encode the arguments of a call of ``func``; on failure, forget inputs this call
-        registered. Floats where ``func`` lifts them become inputs (Note [Lifted scalars]).
+        registered. Floats where ``func`` lifts them become inputs (Note [Lifted scalars]);
+        without ``func`` nothing is lifted.
 
         Raises Unkeyable for arguments no key can hold, and for ops that leave the segment's
         device (cross-device copies are boundaries)."""
         registered = len(self.inputs)
         try:
             encoded = encode_call(args, kwargs, self._tensor_arg)
-            positions = lifted_positions(func)
+            positions = None if func is None else lifted_positions(func)
             if positions is not None:
                 encoded = self._lift(positions, *encoded)
             device = kwargs.get("device")

@@ -78,6 +78,21 @@ def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings(fake_clock):
     assert record.eager_ms == pytest.approx(5 * OP_S * 1e3)
 
 
+def test_verify_mode_runs_are_no_profit_samples(fake_clock):
+    """A checked run pays for the check: verify mode's runs must not get a kernel dropped
+    (the verdict is stored, and a later process without verify mode would obey it)."""
+    fake_clock.op_s = OP_S
+    x = torch.randn(64)
+    with use_compiler(TimedKernels(fake_clock, SLOW_KERNEL_S)), \
+            config.patch(KEEP_UNPROFITABLE=False, VERIFY="on"), ae.enabled():
+        outs = [chain(x) for _ in range(16)]
+        [entry] = engine.shared_table().entries()
+        assert entry.state is KeyState.READY and not entry.judged and entry.fused_ms is None
+    for out in outs:
+        assert_equal(out, chain(x))
+    assert ae.stats().fused_executions == 16 - 2 and "unprofitable" not in ae.stats().fallbacks
+
+
 def test_a_kernel_that_beats_per_op_by_the_margin_is_kept(fake_clock):
     fake_clock.op_s = OP_S                            # 5 ops: 0.5 ms per-op
     fused_s = 5 * OP_S * (1 - profit.PROFIT_MARGIN) * 0.99
