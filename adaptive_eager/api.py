@@ -79,6 +79,8 @@ def enable() -> None:
     _stack().append((runtime, interceptor))
     if not _recall_pause(runtime):
         interceptor.activate()
+    else:
+        interceptor.deactivate(unseen=_local.pause_memory.unseen)
 
 
 def disable() -> None:
@@ -88,7 +90,7 @@ def disable() -> None:
         return
     runtime, interceptor = stack.pop()
     if not runtime.stood_aside:        # a forked child's pause is not for its own enables
-        _remember_pause(runtime)
+        _remember_pause(runtime, interceptor)
     try:
         runtime.close()
     finally:
@@ -152,14 +154,15 @@ class _PauseMemory:
     backoff_s: float
     paused_until: float
     awaited_answers: int | None
+    unseen: bool                   # its ops passed unseen (CppInterceptor.deactivate)
 
 
-def _remember_pause(runtime) -> None:
+def _remember_pause(runtime, interceptor) -> None:
     """A thread's pausing state outlives its runtime, so ``with ae.enabled():`` around each
     step pauses (and stays paused) as one long enable would."""
     _local.pause_memory = _PauseMemory(runtime.quiet_segments, runtime.quiet_count,
                                        runtime.pause_backoff_s, _paused_until.get(runtime, 0.0),
-                                       runtime.awaited_answers)
+                                       runtime.awaited_answers, interceptor.unseen)
 
 
 def _recall_pause(runtime) -> bool:
@@ -258,7 +261,7 @@ def control_point() -> None:
     runtime, interceptor = stack[-1]
     if runtime.pause_requested and interceptor.between_ops():
         seconds = runtime.paused_for()
-        interceptor.deactivate()
+        interceptor.deactivate(unseen=runtime.control_points_pass())
         _paused_until[runtime] = clock.monotonic() + seconds
         decide("paused", seconds=seconds)
     elif runtime in _paused_until:

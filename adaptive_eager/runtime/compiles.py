@@ -9,6 +9,7 @@ at once. A compile that fails marks its key failed for good.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from typing import Callable
@@ -27,6 +28,9 @@ from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file
 
 NOT_LOADED = "compile_error: the worker's artifact did not load"
+BANK_INTERVAL_S = 0.01   # banking and starting what is due walk the waiting keys (~15 us):
+                         # 3% of a 1 ms step at each of its 2 control points. Banking credits
+                         # elapsed time, so banking less often banks the same.
 
 
 class Compiles:
@@ -43,6 +47,7 @@ class Compiles:
         # request id -> what to do with its result (finish a key's compile, or a generic one)
         self._compiling: dict[int, Callable] = {}
         self._queue = CompileQueue()     # hot keys waiting to compile (Note [When to compile])
+        self._banked_at = -math.inf       # monotonic time of the last bank_while_paused credit
         self.answered = 0                 # worker results handled (kernels or failures)
         self._next_request = 0
 
@@ -85,10 +90,12 @@ class Compiles:
         """Note [When to compile]: at a control point of a paused program, credit each
         waiting key that recurs across steps with what its runs since its last credit would
         have saved (at the rate it was seen running), and start what is due."""
-        if not self._queue:
+        now = clock.monotonic()
+        if not self._queue or now < self._banked_at + BANK_INTERVAL_S:
             return
+        self._banked_at = now
         with self._lock:
-            self._queue.bank_elapsed(clock.monotonic())
+            self._queue.bank_elapsed(now)
         self.start_due()
 
     @property

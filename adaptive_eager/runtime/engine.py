@@ -534,7 +534,7 @@ class Runtime:
         which a paused loop never reaches: its hot key would wait for ever. So while compiles
         are due or run there, the runtime keeps intercepting (a key still banking keeps it
         intercepting as long as it comes back: KeyEntry.promising)."""
-        if self._control_points_pass():
+        if self.control_points_pass():
             return False
         table = self.table               # compiles_due walks the waiting keys: last
         return bool(table.compiles_in_flight or table.compiles_due)
@@ -544,7 +544,7 @@ class Runtime:
                 scheduling.is_due(entry) or not scheduling.worth_watching(entry))):
             # its kernel is coming, or it banks better paused: at a control point, at once,
             # unless a kernel runs (a pause would stop it): then as a hopeless key
-            if not self._control_points_pass():
+            if not self.control_points_pass():
                 return 1
             return HOPELESS_WEIGHT if self._kernel_ran_lately() else config.PAUSE_WINDOW
         if entry.churning:
@@ -561,7 +561,7 @@ class Runtime:
         else:
             self._segments_since_point += segments
 
-    def _control_points_pass(self) -> bool:
+    def control_points_pass(self) -> bool:
         """Has the program passed a control point within the last PAUSE_WINDOW segments
         (so a pause would end)?"""
         return self._segments_since_point < config.PAUSE_WINDOW
@@ -576,7 +576,7 @@ class Runtime:
         self.unpaid_s = 0.0
         counters.add("pauses")
         if (self.table.compiles_in_flight or self.table.compiles_due) and \
-                self._control_points_pass():
+                self.control_points_pass():
             self.awaited_answers = self.table.compiles_answered
             return PAUSE_LONGEST_S
         self.awaited_answers = self.table.compiles_answered

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -68,6 +69,46 @@ def test_a_bare_loop_pauses_and_resumes_without_control_points(monkeypatch):
         assert ae.stats().pauses >= 1 and ae.stats().ops_seen > seen   # intercepting again
     for x, out in zip(xs, outs):
         assert out == (x * 2).sin().sum().item()
+
+
+def test_a_training_loops_pause_takes_the_key_out_of_the_dispatch_set(monkeypatch):
+    """A program that comes back to control points ends its pause at one: its paused ops
+    need not reach the fallback at all (CppInterceptor.deactivate), also when it enables
+    the runtime around each step; the key comes back with the pause's end."""
+    from adaptive_eager.runtime import clock, engine
+    monkeypatch.setattr(engine, "PAUSE_FIRST_S", 3600.0)
+    ext = native.loaded()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)       # lr 0: the same values each step
+    xs = [torch.randn(1 + i % 40, 8) for i in range(80)]    # new shapes: nothing to fuse
+
+    def step(x):
+        opt.zero_grad()
+        out = model(x)
+        out.sum().backward()
+        opt.step()
+        return out.detach()
+    expected = [step(x) for x in xs]
+    with config.patch(BACKEND="cpp", PAUSE=True, PAUSE_WINDOW=20, MIN_SEGMENT_US=1000,
+                      KEEP_UNPROFITABLE=False):
+        with ae.enabled():
+            outs = [step(x) for x in xs[:60]]
+            assert ae.is_paused() and not ext.is_included()
+            seen = ae.stats().ops_seen
+            outs.append(step(xs[60]))
+            assert ae.stats().ops_seen == seen                 # nothing intercepted
+        for x in xs[61:]:
+            with ae.enabled():                                  # around each step
+                assert ae.is_paused() and not ext.is_included()
+                outs.append(step(x))
+        later = time.monotonic() + 7200                         # the pause is over
+        monkeypatch.setattr(clock, "monotonic", lambda: later)
+        with ae.enabled():
+            ae.sync()                                          # a control point: resumes
+            assert not ae.is_paused() and ext.is_included()
+    for out, reference in zip(outs, expected):
+        assert_equal(out, reference, bitwise=True)
 
 
 def test_dynamo_does_not_recompile_because_of_the_key():
