@@ -34,8 +34,61 @@ def build_graph(segment: Segment, live_refs: tuple[Ref, ...]) -> fx.GraphModule:
 
     for index, op in enumerate(segment.ops):
         args, kwargs = _decode_call(op, node_of)
+        per_tensor = _per_tensor_op(op, args, kwargs)
+        if per_tensor is not None:
+            nodes = [graph.call_function(per_tensor, tuple(call), keywords)
+                     for call, keywords in _per_tensor_calls(op, args)]
+            if op.kind is not OpKind.MUTATING:
+                values.update((("out", index, i), node) for i, node in enumerate(nodes))
+            continue
         name_outputs(graph, values, index, op, graph.call_function(op.func, tuple(args), kwargs))
     return write_buffers(graph, buffers, live_refs, values)
+
+
+# Note [Lifted foreach scalars]
+# Inductor lowers a ``_foreach_*.ScalarList`` op whose scalars are constants, but not one whose
+# scalars are read from inputs (Note [Lifted scalars]): it calls the aten op as an extern
+# kernel, between kernels that write temporaries, and AdamW's update ran ~3x slower fused
+# than eager. So a lifted one goes into the graph as the per-tensor ops it stands for, which
+# Inductor fuses; they are what the CPU foreach kernels run per tensor anyway
+# (``t.div_(scalars[i])``, ``self[i].addcdiv_(t1[i], t2[i], scalars[i])``).
+_PER_TENSOR = {    # foreach name -> (per-tensor overload, its in-place one, scalar as kwarg)
+    "_foreach_add": ("add.Scalar", "add_.Scalar", None),
+    "_foreach_sub": ("sub.Scalar", "sub_.Scalar", None),
+    "_foreach_mul": ("mul.Scalar", "mul_.Scalar", None),
+    "_foreach_div": ("div.Scalar", "div_.Scalar", None),
+    "_foreach_pow": ("pow.Tensor_Scalar", "pow_.Scalar", None),
+    "_foreach_clamp_min": ("clamp_min.default", "clamp_min_.default", None),
+    "_foreach_clamp_max": ("clamp_max.default", "clamp_max_.default", None),
+    "_foreach_lerp": ("lerp.Scalar", "lerp_.Scalar", None),
+    "_foreach_addcdiv": ("addcdiv.default", "addcdiv_.default", "value"),
+    "_foreach_addcmul": ("addcmul.default", "addcmul_.default", "value"),
+}
+
+
+def _per_tensor_op(op: OpRecord, args: list, kwargs: dict):
+    """The per-tensor op a lifted foreach ScalarList op stands for (else None)."""
+    func = op.func
+    if func._overloadname != "ScalarList" or kwargs or not isinstance(args[-1], list) or \
+            not any(isinstance(value, fx.Node) for value in args[-1]):
+        return None
+    name = func.__name__.split(".")[0]
+    entry = _PER_TENSOR.get(name.rstrip("_"))
+    if entry is None:
+        return None
+    packet, overload = entry[name.endswith("_")].split(".")
+    return getattr(getattr(aten, packet), overload)
+
+
+def _per_tensor_calls(op: OpRecord, args: list) -> list[tuple[list, dict]]:
+    name = op.func.__name__.split(".")[0].rstrip("_")
+    as_kwarg = _PER_TENSOR[name][2]
+    *lists, scalars = args
+    calls = []
+    for i, scalar in enumerate(scalars):
+        tensors = [tensor_list[i] for tensor_list in lists]
+        calls.append((tensors, {as_kwarg: scalar}) if as_kwarg else ([*tensors, scalar], {}))
+    return calls
 
 
 def name_outputs(graph: fx.Graph, values: dict, index: int, op: OpRecord, node: fx.Node) -> None:
