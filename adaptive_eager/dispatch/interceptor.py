@@ -46,7 +46,7 @@ class PythonInterceptor:
     def activate(self) -> None:
         self.mode.__enter__()
 
-    unseen = True                          # a paused mode is off the stack
+    unseen = False     # (CppInterceptor's sense; a paused mode is off the stack anyway)
 
     def deactivate(self, unseen: bool = False) -> None:
         if self.is_active():                        # off the stack, its ops pass unseen
