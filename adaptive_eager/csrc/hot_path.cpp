@@ -406,6 +406,8 @@ bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::S
 
 bool is_retry(PyObject* answer) { return answer == g_retry && answer != nullptr; }
 
+bool thread_idle() { return t_hot && !t_open && t_run.node == nullptr; }
+
 void define_hot_path(py::module& m) {
   define_plans(m);
   m.def("set_hot_callbacks", [](py::object launch, py::object takeover, py::object retry,

@@ -14,6 +14,10 @@ bool hot_path_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::j
 // Is this thread paused (passing ops straight through: intercept.cpp)?
 bool thread_paused();
 
+// Does this thread run on the C++ hot path with no segment open, neither Python's nor a run
+// of its own (Note [Boundaries passed when idle] in intercept.cpp)?
+bool thread_idle();
+
 // Is Python's answer to an op "a segment just ended at it: try your hot path, then ask me
 // again" (the stack is untouched)?
 bool is_retry(PyObject* answer);

@@ -25,8 +25,11 @@
 
 #include "hot_path.h"
 
+#include <array>
+#include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace py = pybind11;
 using c10::DispatchKey;
@@ -149,6 +152,48 @@ bool call_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
+// Note [Boundaries passed when idle]
+// An op that ends a segment whatever its arguments (a host sync such as .item(), a profiler
+// range, a random op: OpKind.BOUNDARY) changes nothing in the runtime when no segment is open:
+// Python's engine would only run it. Python names each such op the first time it sees one
+// (pass_when_idle); from then on a thread with nothing open runs it straight through, counted
+// per op (take_idle_counts: Python counts them as it counts its own fallbacks). AdamW's
+// per-parameter .item()s (12 a step here) and its profiler ranges cost ~20 us each through
+// Python. A thread with a segment open still sends it to Python, which ends the segment.
+constexpr int kMaxIdleOps = 128;
+std::array<std::atomic<const c10::FunctionSchema*>, kMaxIdleOps> g_idle_ops{};
+std::array<std::atomic<int64_t>, kMaxIdleOps> g_idle_runs{};
+std::atomic<int> g_idle_count{0};   // written under the GIL, read by any thread
+
+bool passed_when_idle(const c10::OperatorHandle& op) {
+  const c10::FunctionSchema* schema = &op.schema();
+  const int count = g_idle_count.load(std::memory_order_acquire);
+  for (int i = 0; i < count; ++i) {
+    if (g_idle_ops[i].load(std::memory_order_relaxed) == schema) {
+      g_idle_runs[i].fetch_add(1, std::memory_order_relaxed);
+      return true;
+    }
+  }
+  return false;
+}
+
+// The op's slot (its counts' index in take_idle_counts), or -1: unknown, or the table is full.
+int add_idle_op(const std::string& name, const std::string& overload) {
+  auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
+  const int count = g_idle_count.load(std::memory_order_relaxed);
+  if (!handle || count >= kMaxIdleOps) return -1;
+  g_idle_ops[count].store(&handle->schema(), std::memory_order_relaxed);
+  g_idle_count.store(count + 1, std::memory_order_release);
+  return count;
+}
+
+std::vector<int64_t> take_idle_counts() {
+  std::vector<int64_t> counts(g_idle_count.load(std::memory_order_acquire));
+  for (size_t i = 0; i < counts.size(); ++i)
+    counts[i] = g_idle_runs[i].exchange(0, std::memory_order_relaxed);
+  return counts;
+}
+
 void fallback(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
   if (t_paused) {
     if (++t_paused_ops >= g_resume_every) ask_resume();
@@ -167,6 +212,7 @@ void fallback(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stac
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (adaptive_eager::hot_path_op(op, ks, stack)) return;
     if (t_paused) return pass_through(op, ks, stack);
+    if (adaptive_eager::thread_idle() && passed_when_idle(op)) return pass_through(op, ks, stack);
     if (call_python(op, stack)) return;
   }
   TORCH_CHECK(false, "adaptive_eager: ", op.schema().name(), " was sent back twice");
@@ -217,5 +263,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     t_paused_ops = 0;
   }, "Pass this thread's ops straight through (asking should_resume now and then).");
   m.def("is_paused", [] { return t_paused; });
+  m.def("pass_when_idle", &add_idle_op,
+        "Run this op (name, overload) straight through on a thread with no segment open "
+        "(Note [Boundaries passed when idle]): its slot, or -1 if unknown or the table is full.");
+  m.def("take_idle_counts", &take_idle_counts,
+        "Runs of each pass_when_idle slot since the last call.");
   adaptive_eager::define_hot_path(m);
 }

@@ -201,6 +201,12 @@ _SEEDED_ONLY_BY_DROPOUT = {"aten::_scaled_dot_product_flash_attention_for_cpu": 
 _DROPOUT_FREE = OpClass(OpKind.FUSIBLE, extern=True)
 
 
+def boundary_whatever_the_arguments(func: torch._ops.OpOverload) -> bool:
+    """Does every call of ``func`` end a segment (Note [Boundaries passed when idle] in
+    csrc/intercept.cpp)?"""
+    return classify(func).kind is OpKind.BOUNDARY and func.name() not in _SEEDED_ONLY_BY_DROPOUT
+
+
 def classify_call(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> OpClass:
     """The OpClass of one call: ``classify(func)``, but Note [Random only through dropout]."""
     op_class = classify(func)

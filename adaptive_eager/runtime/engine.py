@@ -365,6 +365,9 @@ class Runtime:
 
     def _dispatch(self, func, op_class: OpClass, args: tuple, kwargs: dict) -> Any:
         if op_class.kind is OpKind.BOUNDARY:
+            if self.native is not None:
+                native_plans.pass_when_idle(self.native, func,
+                                            getattr(op_class.reason, "value", op_class.reason))
             return self._run_boundary(func, args, kwargs, op_class.reason)
         builder = self._current_builder()
         known_inputs = len(builder.inputs)

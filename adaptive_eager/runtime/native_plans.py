@@ -22,7 +22,7 @@ import torch
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import interceptor as interceptors
 from adaptive_eager.dispatch import native
-from adaptive_eager.dispatch.ops import OpKind
+from adaptive_eager.dispatch.ops import OpKind, boundary_whatever_the_arguments
 from adaptive_eager.dispatch.signature import (KEY_CONTEXT_FIELDS, LiftedScalar, ScalarArg,
                                                TensorArg, decode)
 from adaptive_eager.runtime import clock
@@ -215,6 +215,13 @@ def publish_counts() -> None:
     counters.add("native_fused_executions", fused_runs)
     counters.add("native_direct_executions", direct)
     counters.add("fused_ops", fused_ops)
+    with _lock:              # (a slot registered after take_idle_counts has no runs yet)
+        idle = list(zip(_idle_reasons, ext.take_idle_counts()))
+    for reason, runs in idle:
+        if runs:             # boundaries the extension ran itself, as Python's engine counts
+            counters.add("ops_seen", runs)
+            counters.add("per_op_executions", runs)
+            counters.fallback(reason, runs)
 
 
 # ---------------------------------------------------------------- the calls back from C++
@@ -327,6 +334,22 @@ def _take_counts(table, ext, runtime=None) -> None:
             entry.cold_refused = True
             log.debug("decision=cold_plan_dropped key=%s misses=%d runs=%d", entry.digest,
                       misses, runs)
+
+
+_named_when_idle: set = set()    # ops offered to the extension to run on an idle thread
+_idle_reasons: list = []         # per slot of the extension's, the fallback reason it counts
+
+
+def pass_when_idle(ext, func, reason: str) -> None:
+    """Note [Boundaries passed when idle] (csrc/intercept.cpp): let the extension run
+    ``func`` on threads with no segment open, if it ends segments whatever its arguments."""
+    if func in _named_when_idle:
+        return
+    _named_when_idle.add(func)
+    if boundary_whatever_the_arguments(func):
+        with _lock:
+            if ext.pass_when_idle(func._schema.name, func._schema.overload_name) >= 0:
+                _idle_reasons.append(reason)
 
 
 def _set_callbacks(ext) -> None:

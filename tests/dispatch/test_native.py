@@ -111,6 +111,30 @@ def test_a_training_loops_pause_takes_the_key_out_of_the_dispatch_set(monkeypatc
         assert_equal(out, reference, bitwise=True)
 
 
+def test_boundaries_run_in_cpp_when_nothing_is_open(compiler, monkeypatch):
+    """Note [Boundaries passed when idle] (csrc/intercept.cpp): once Python has seen an op
+    that ends every segment (.item()), a thread with nothing open runs it in C++, counted as
+    Python counts it; one with deferred work ends it first (the value read is the one it
+    computed)."""
+    from adaptive_eager.dispatch.interceptor import CppInterceptor
+    seen_by_python = []
+    on_op = CppInterceptor.on_op
+    monkeypatch.setattr(CppInterceptor, "on_op", lambda self, func, args, kwargs: (
+        seen_by_python.append(func), on_op(self, func, args, kwargs))[1])
+    x = torch.randn(64)
+    with config.patch(BACKEND="cpp"), ae.enabled():
+        values = [((x * 2).sin() * 3).sum().item() for _ in range(12)]
+        assert ae.stats().native_fused_executions > 0
+        scalar = torch.tensor(3.5)          # (its lift_fresh opens a segment in Python)
+        assert scalar.item() == 3.5         # a segment open: Python's engine ends it
+        syncs = ae.stats().fallbacks["host_sync"]
+        seen_by_python.clear()
+        assert [scalar.item() for _ in range(5)] == [3.5] * 5
+        assert not seen_by_python
+        assert ae.stats().fallbacks["host_sync"] == syncs + 5
+    assert values == [((x * 2).sin() * 3).sum().item()] * 12
+
+
 def test_dynamo_does_not_recompile_because_of_the_key():
     from torch._dynamo.utils import counters as dynamo_counters
 
