@@ -36,7 +36,6 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.config import config
-from adaptive_eager.dispatch import control
 from adaptive_eager.dispatch.escapes import raw_untyped_storage
 from adaptive_eager.dispatch.interceptor import not_intercepted
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason, classify_call
@@ -46,38 +45,14 @@ from adaptive_eager.runtime import clock
 from adaptive_eager.runtime.buffers import BufferPool
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.graph import run_eagerly
-from adaptive_eager.runtime import native_plans, scheduling
-from adaptive_eager.runtime.policy import KeyState, KeyTable
+from adaptive_eager.runtime import native_plans
+from adaptive_eager.runtime.pausing import MOST_INTERCEPTION_S_PER_OP, Pausing
+from adaptive_eager.runtime.policy import KeyTable
 from adaptive_eager.runtime.segment import SegmentBuilder, flatten_outputs, unflatten_outputs
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import KernelTrie, TrieNode
 from adaptive_eager.runtime.verify import Verification, VerificationError
 
-PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
-PAUSE_LONGEST_S = 64.0    # ...up to this
-# How much one segment counts toward PAUSE_WINDOW (Note [Pausing]): a new key 1; a key judged
-# never to fuse is stronger evidence; a new shape of a structure that keeps changing shapes
-# stronger still, and four times that when it is too cheap to compile even if its shape came
-# back (a loop of ever-new small shapes pauses after 4 steps, not ~10: each watched step costs
-# about 3-5x a plain one there; large ones keep the plain weight, so bucketed lengths that recur
-# reach their generic kernel first). A loop that runs a kernel empties the window each
-# iteration, as long as the kernel pays for the interception around it (Runtime._watch_kernel),
-# and beside it a few small dynamic segments must not fill it (pausing would stop the kernel
-# too): so no pause comes from fewer than MIN_QUIET_SEGMENTS segments, which lets up to 3 of
-# them sit beside a kernel. A key compiling or waiting to, in a program that passes
-# control points (the way back), is the whole window at once: the loop's kernel is coming,
-# and on a small machine each step watched meanwhile costs about twice a plain step (keys not
-# yet hot are found after the pause). A program that passes no control point (a bare loop)
-# never pauses while compiles wait or run: Note [No pause without a way back].
-HOPELESS_WEIGHT = 8
-CHURN_WEIGHT = 32
-CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT
-MIN_QUIET_SEGMENTS = 4
-# Interception charged to a per-op segment (Runtime._watch_kernel) is its wall time beyond its
-# ops' own, at most this per op: about twice what recording costs here (~40-75 us an op), so
-# the program's own code between two ops of a segment (data loading, logging) is not taken
-# for interception.
-MOST_INTERCEPTION_S_PER_OP = 100e-6
 
 _shared_lock = threading.Lock()
 reinit_in_child(_shared_lock)   # Note [Fork]
@@ -245,7 +220,7 @@ def _run_plainly(func, args: tuple, kwargs: dict) -> Any:
     return func(*args, **kwargs)
 
 
-class Runtime:
+class Runtime(Pausing):
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._builder: SegmentBuilder | None = None
@@ -257,15 +232,7 @@ class Runtime:
         # Per-op counts stay local (no lock per op) and are published at segment ends.
         self._ops_seen = 0
         self._per_op = 0
-        self.quiet_segments = 0                   # their weight, see Note [Pausing]
-        self.quiet_count = 0                      # and how many
-        self.unpaid_s = 0.0                       # interception kernels have not paid for
-        self._points_seen = control.points_passed()   # at the last segment end, and the
-        self._segments_since_point = config.PAUSE_WINDOW   # segments since it moved (none yet)
-        self._segments_since_kernel = config.PAUSE_WINDOW  # and since a kernel last ran
-        self.pause_requested = False
-        self.pause_backoff_s = PAUSE_FIRST_S
-        self.awaited_answers: int | None = None   # see awaited_kernel_landed()
+        self._init_pausing()
         self.stood_aside = False                  # see stand_aside()
         # Ops make copies of tensors it never sees (the C++ backend: Note [Shallow copies]
         # in runtime/segment.py); set by the interceptor, for segments begun after.
@@ -475,133 +442,6 @@ class Runtime:
             if self.native is not None:
                 native_plans.watch(entry, self.native)   # Note [Cold plans] (csrc/plans.cpp)
             self._watch(entry)
-
-    def _watch_kernel(self, variant, runs: int = 1) -> None:
-        """Note [Pausing]: a kernel keeps the runtime intercepting only while what its runs
-        save pays for the interception of the per-op segments around them (their wall time
-        beyond their ops' own, up to MOST_INTERCEPTION_S_PER_OP an op). A kernel saving
-        ~1.4 ms a step beside ~50 intercepted ops a step held off every pause of a wide MLP's
-        training, which ran 11-15% slower than eager. A kernel not yet judged (Note [Side by
-        side]) is given the benefit of the doubt."""
-        self._segments_since_kernel = 0
-        saving = variant.entry.saving_s
-        if saving is None:
-            self.unpaid_s = 0.0
-            self._watch(None)                  # news: a probe that finds it was fruitful
-            return
-        self.unpaid_s -= saving * runs
-        if self.unpaid_s <= 0:                 # paid: the quiet window starts over, and
-            self.unpaid_s = 0.0                # a pause would still back off (a known kernel
-            self.quiet_segments = self.quiet_count = 0   # is no news)
-
-    def ran_cold(self, entry, runs: int) -> None:
-        """The extension ran ``runs`` of ``entry``'s segment per-op (Note [Cold plans] in
-        csrc/plans.cpp): they count toward a pause as Python's own per-op runs do."""
-        self._watch(entry, runs)
-
-    def _watch(self, entry, runs: int = 1) -> None:
-        """Note [Pausing]: a Python dispatch mode costs more than a tiny op itself. Once
-        segments with nothing fused or worth compiling add up to PAUSE_WINDOW, ask to stop
-        intercepting; the pause takes effect, and ends, at control points outside the mode
-        (dispatch/control.py), since a mode cannot take itself off the stack.
-
-        ``entry`` is the key of a segment that ran per-op (None: one ran fused). Each counts
-        by the strength of its evidence (the weights above): dynamic shapes pause within a
-        few steps. A pause while kernels compile (nothing else to do: a training loop's first
-        steps) lasts until one lands, which a control point notices; a loop that passes no
-        control point would never notice, so there it does not pause while compiles wait or
-        run."""
-        self._count_control_points(runs)
-        self._segments_since_kernel += runs
-        if entry is None or entry.promising:
-            self.quiet_segments = self.quiet_count = 0
-            self.pause_backoff_s = PAUSE_FIRST_S
-            return
-        if self._kernels_pending_without_way_back():
-            self.quiet_segments = self.quiet_count = 0
-            return
-        weight = self._weight(entry)
-        self.quiet_segments += weight * runs
-        self.quiet_count += runs
-        enough = self.quiet_count >= MIN_QUIET_SEGMENTS or weight >= config.PAUSE_WINDOW
-        if self.quiet_segments >= config.PAUSE_WINDOW and enough and config.PAUSE and \
-                not self.pause_requested:
-            self.pause_requested = True
-            decide("pause_requested", segments=self.quiet_segments)
-            control.pause_requested()
-
-    def _kernels_pending_without_way_back(self) -> bool:
-        """Note [No pause without a way back]: a pause takes effect and ends at control
-        points; a program that passed none since the quiet segments began (a bare loop of
-        tensor ops) would pause for good, and a waiting compile starts only at a segment end,
-        which a paused loop never reaches: its hot key would wait for ever. So while compiles
-        are due or run there, the runtime keeps intercepting (a key still banking keeps it
-        intercepting as long as it comes back: KeyEntry.promising)."""
-        if self.control_points_pass():
-            return False
-        table = self.table               # compiles_due walks the waiting keys: last
-        return bool(table.compiles_in_flight or table.compiles_due)
-
-    def _weight(self, entry) -> int:
-        if entry.state is KeyState.COMPILING or (entry.state is KeyState.WAITING and (
-                scheduling.is_due(entry) or not scheduling.worth_watching(entry))):
-            # its kernel is coming, or it banks better paused: at a control point, at once,
-            # unless a kernel runs (a pause would stop it): then as a hopeless key
-            if not self.control_points_pass():
-                return 1
-            return HOPELESS_WEIGHT if self._kernel_ran_lately() else config.PAUSE_WINDOW
-        if entry.churning:
-            return CHEAP_CHURN_WEIGHT if entry.too_cheap else CHURN_WEIGHT
-        return HOPELESS_WEIGHT if entry.hopeless else 1
-
-    def _kernel_ran_lately(self) -> bool:
-        return self._segments_since_kernel < config.PAUSE_WINDOW
-
-    def _count_control_points(self, segments: int = 1) -> None:
-        points = control.points_passed()
-        if points != self._points_seen:
-            self._points_seen, self._segments_since_point = points, 0
-        else:
-            self._segments_since_point += segments
-
-    def control_points_pass(self) -> bool:
-        """Has the program passed a control point within the last PAUSE_WINDOW segments
-        (so a pause would end)?"""
-        return self._segments_since_point < config.PAUSE_WINDOW
-
-    def paused_for(self) -> float:
-        """Start a pause (at a control point): flush, and return how long it lasts. While
-        kernels compile or are due to (Note [When to compile] in runtime/scheduling.py), until
-        one of them lands (awaited_kernel_landed); else for the back-off, which each fruitless
-        pause doubles, or until a kernel lands (keys banking while paused start compiles)."""
-        self.flush()
-        self.pause_requested, self.quiet_segments, self.quiet_count = False, 0, 0
-        self.unpaid_s = 0.0
-        counters.add("pauses")
-        if (self.table.compiles_in_flight or self.table.compiles_due) and \
-                self.control_points_pass():
-            self.awaited_answers = self.table.compiles_answered
-            return PAUSE_LONGEST_S
-        self.awaited_answers = self.table.compiles_answered
-        seconds, self.pause_backoff_s = self.pause_backoff_s, min(self.pause_backoff_s * 2,
-                                                                   PAUSE_LONGEST_S)
-        return seconds
-
-    def resumed(self, kernel_landed: bool) -> None:
-        """A pause ended. One that ended because a kernel landed gives the kernel a chance
-        to run before keys still due may pause again: they weigh as beside a running kernel
-        (_weight) for PAUSE_WINDOW segments. Without that, a training loop resumed at its
-        optimizer step paused again within that step, before its forward, whose kernel had
-        landed, ever ran fused."""
-        if kernel_landed:
-            self._segments_since_kernel = 0
-
-    def awaited_kernel_landed(self) -> bool:
-        """Did the compile this pause waits for end (a kernel, or a failure)? Polls."""
-        if self.awaited_answers is None:
-            return False
-        self.table.poll_compiles()
-        return self.table.compiles_answered != self.awaited_answers
 
     def _end_hot(self) -> bool:
         """Finish a deferred run: fused if a kernel fits, else replayed per-op.

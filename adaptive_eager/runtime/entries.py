@@ -109,7 +109,7 @@ class KeyEntry:
     @property
     def promising(self) -> bool:
         """Is fusion paying, or could it soon? (Nothing promising for long: the runtime
-        pauses: Note [Pausing], runtime/engine.py.) A key waiting for its compile is, once
+        pauses: Note [Pausing], runtime/pausing.py.) A key waiting for its compile is, once
         it came back after turning hot and until it is due: only its runs per-op bank the
         savings that start the compile (Note [When to compile]). (Keys made of per-step
         scalars turn hot within one step, two parameters of one shape, and never come back.)

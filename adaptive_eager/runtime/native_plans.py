@@ -328,7 +328,7 @@ def _take_counts(table, ext, runtime=None) -> None:
             unwatch(entry)                     # forgotten meanwhile
             continue
         if runs and runtime is not None:
-            runtime.ran_cold(entry, runs)      # Note [Pausing] (runtime/engine.py)
+            runtime.ran_cold(entry, runs)      # Note [Pausing] (runtime/pausing.py)
         if misses > runs:                    # Python's recording finds what comes instead
             unwatch(entry)
             entry.cold_refused = True

@@ -52,8 +52,8 @@ def test_python_backend_when_asked():
 
 def test_a_bare_loop_pauses_and_resumes_without_control_points(monkeypatch):
     from adaptive_eager.dispatch.interceptor import RESUME_EVERY
-    from adaptive_eager.runtime import engine
-    monkeypatch.setattr(engine, "PAUSE_FIRST_S", 0.0)   # the pause is over at once...
+    from adaptive_eager.runtime import pausing
+    monkeypatch.setattr(pausing, "PAUSE_FIRST_S", 0.0)  # the pause is over at once...
     x = torch.randn(8)
     # a new shape every step, each ended by a host sync: keys that never come back, which
     # Python's engine records every time (C++ runs only keys seen twice: Note [Cold plans]
@@ -75,8 +75,8 @@ def test_a_training_loops_pause_takes_the_key_out_of_the_dispatch_set(monkeypatc
     """A program that comes back to control points ends its pause at one: its paused ops
     need not reach the fallback at all (CppInterceptor.deactivate), also when it enables
     the runtime around each step; the key comes back with the pause's end."""
-    from adaptive_eager.runtime import clock, engine
-    monkeypatch.setattr(engine, "PAUSE_FIRST_S", 3600.0)
+    from adaptive_eager.runtime import clock, pausing
+    monkeypatch.setattr(pausing, "PAUSE_FIRST_S", 3600.0)
     ext = native.loaded()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

@@ -10,6 +10,7 @@ import adaptive_eager as ae
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine, scheduling
 from adaptive_eager.runtime.compiler import use_compiler
+from adaptive_eager.runtime.pausing import PAUSE_FIRST_S
 from helpers import TimedKernels, assert_equal, by_size, results_held
 
 # The Python mode's pausing: at control points, off the mode stack (the C++ backend pauses
@@ -70,18 +71,18 @@ def test_a_pause_ends_at_an_optimizer_step_and_backs_off(pausing):
     with config.patch(MIN_SEGMENT_US=1_000_000), ae.enabled():    # nothing worth fusing
         train(40)
         assert ae.is_paused()
-        clock.advance(engine.PAUSE_FIRST_S * 0.9)
+        clock.advance(PAUSE_FIRST_S * 0.9)
         opt.step()                                               # a control point, too early
         assert ae.is_paused()
-        clock.advance(engine.PAUSE_FIRST_S * 0.2)
+        clock.advance(PAUSE_FIRST_S * 0.2)
         opt.step()                                               # the pause is over
         assert not ae.is_paused()
         train(40)                                                # nothing new: pause again,
         assert ae.is_paused()                                    # twice as long
-        clock.advance(engine.PAUSE_FIRST_S * 1.5)
+        clock.advance(PAUSE_FIRST_S * 1.5)
         opt.step()
         assert ae.is_paused()
-        clock.advance(engine.PAUSE_FIRST_S * 0.6)
+        clock.advance(PAUSE_FIRST_S * 0.6)
         opt.step()
         assert not ae.is_paused()
     assert ae.stats().pauses == 2
