@@ -34,10 +34,10 @@ def build_graph(segment: Segment, live_refs: tuple[Ref, ...]) -> fx.GraphModule:
 
     for index, op in enumerate(segment.ops):
         args, kwargs = _decode_call(op, node_of)
-        per_tensor = _per_tensor_op(op, args, kwargs)
+        per_tensor = _per_tensor_calls(op, args, kwargs)
         if per_tensor is not None:
-            nodes = [graph.call_function(per_tensor, tuple(call), keywords)
-                     for call, keywords in _per_tensor_calls(op, args)]
+            nodes = [graph.call_function(func, tuple(call), keywords)
+                     for func, call, keywords in per_tensor]
             if op.kind is not OpKind.MUTATING:
                 values.update((("out", index, i), node) for i, node in enumerate(nodes))
             continue
@@ -66,8 +66,9 @@ _PER_TENSOR = {    # foreach name -> (per-tensor overload, its in-place one, sca
 }
 
 
-def _per_tensor_op(op: OpRecord, args: list, kwargs: dict):
-    """The per-tensor op a lifted foreach ScalarList op stands for (else None)."""
+def _per_tensor_calls(op: OpRecord, args: list, kwargs: dict) -> list | None:
+    """(op, args, kwargs) of each per-tensor call a lifted foreach ScalarList op stands for
+    (None: it is not one)."""
     func = op.func
     if func._overloadname != "ScalarList" or kwargs or not isinstance(args[-1], list) or \
             not any(isinstance(value, fx.Node) for value in args[-1]):
@@ -77,17 +78,13 @@ def _per_tensor_op(op: OpRecord, args: list, kwargs: dict):
     if entry is None:
         return None
     packet, overload = entry[name.endswith("_")].split(".")
-    return getattr(getattr(aten, packet), overload)
-
-
-def _per_tensor_calls(op: OpRecord, args: list) -> list[tuple[list, dict]]:
-    name = op.func.__name__.split(".")[0].rstrip("_")
-    as_kwarg = _PER_TENSOR[name][2]
+    per_tensor, as_kwarg = getattr(getattr(aten, packet), overload), entry[2]
     *lists, scalars = args
     calls = []
     for i, scalar in enumerate(scalars):
         tensors = [tensor_list[i] for tensor_list in lists]
-        calls.append((tensors, {as_kwarg: scalar}) if as_kwarg else ([*tensors, scalar], {}))
+        calls.append((per_tensor, tensors, {as_kwarg: scalar}) if as_kwarg
+                     else (per_tensor, [*tensors, scalar], {}))
     return calls
 
 
