@@ -91,7 +91,7 @@ py::list tensor_list(const std::vector<at::Tensor>& tensors) {
   return list;
 }
 
-// Versions as eager left them (runtime/engine.py, _run_kernel).
+// Versions as eager left them (runtime/fused_runs.py, _run_kernel).
 struct KeepVersions {
   std::vector<std::pair<at::Tensor, uint32_t>> saved;
   explicit KeepVersions(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {

@@ -16,6 +16,7 @@ import sys
 import threading
 import weakref
 
+from adaptive_eager.dispatch import upcalls
 from adaptive_eager.fork_safety import reinit_in_child
 
 _lock = threading.Lock()
@@ -32,8 +33,7 @@ def points_passed() -> int:
 
 
 def _control_point(*_args, **_kwargs) -> None:
-    from adaptive_eager import api
-    api.control_point()
+    upcalls.control_point()
 
 
 # Note [Natural boundaries]
@@ -49,8 +49,7 @@ def _control_point(*_args, **_kwargs) -> None:
 
 
 def _end_segment() -> None:
-    from adaptive_eager import api
-    api.end_segment()
+    upcalls.end_segment()
 
 
 def permanent_point(*_args, **_kwargs) -> None:
@@ -96,8 +95,7 @@ def _optimizer_step_starts(optimizer, _args, _kwargs) -> None:
     except TypeError:              # no weak references to it (__slots__): never sits out
         return
     if not getattr(optimizer, "state", True):
-        from adaptive_eager import api
-        api.sit_out(optimizer, step_frame=sys._getframe(1))   # the step's hook-calling wrapper
+        upcalls.sit_out(optimizer, step_frame=sys._getframe(1))   # the step's hook-calling wrapper
 
 
 def is_running(frame) -> bool:
@@ -111,8 +109,7 @@ def is_running(frame) -> bool:
 
 
 def _optimizer_step_ends(optimizer, _args, _kwargs) -> None:
-    from adaptive_eager import api
-    api.stop_sitting_out(optimizer)
+    upcalls.stop_sitting_out(optimizer)
 
 
 def install() -> None:
@@ -136,8 +133,7 @@ def pause_requested() -> None:
     """A runtime of this thread wants to pause: also stop at the next nn.Module call, or
     the next Python call event outside the dispatch mode. (The C++ backend needs neither: it
     pauses at the next op, CppInterceptor.on_op.)"""
-    from adaptive_eager import api
-    if not api.pauses_between_ops():
+    if not upcalls.pauses_between_ops():
         point_soon()
 
 
@@ -165,14 +161,13 @@ def _pause_at_next_call() -> None:
     budget ends the wait if the mode never comes back on top (another mode pushed above)."""
     if sys.getprofile() is not None:
         return
-    from adaptive_eager import api
     remaining = [PROFILE_EVENTS_BUDGET]
 
     def on_event(frame, event, arg) -> None:
         remaining[0] -= 1
-        if api.pause_point_reached() or remaining[0] <= 0:
+        if upcalls.pause_point_reached() or remaining[0] <= 0:
             sys.setprofile(None)
-            api.control_point()
+            upcalls.control_point()
 
     sys.setprofile(on_event)
 

@@ -45,7 +45,7 @@ import weakref
 
 import torch
 
-from adaptive_eager.dispatch import native
+from adaptive_eager.dispatch import native, upcalls
 from adaptive_eager.fork_safety import reinit_in_child
 
 # The runtime's own storage access must not go through the flushing wrapper below (it would
@@ -76,25 +76,22 @@ reinit_in_child(_lock, _outside_lock)   # Note [Fork] (runtime/engine.py)
 
 def flush_deferred() -> None:
     """Run every runtime's deferred work (not the segments being recorded)."""
-    from adaptive_eager.runtime.engine import live_runtimes
-    for runtime in live_runtimes():
+    for runtime in upcalls.live_runtimes():
         if runtime.has_deferred():
             runtime.flush(end_segment=False)
 
 
 def _flush_this_thread() -> None:
-    from adaptive_eager.runtime.engine import live_runtimes
     me = threading.get_ident()
-    for runtime in live_runtimes():
+    for runtime in upcalls.live_runtimes():
         if runtime.owner_thread == me and runtime.has_deferred():
             runtime.flush(end_segment=False)
 
 
 def _end_segments_before_data_swap() -> None:
     """Note [.data assignment]."""
-    from adaptive_eager.runtime.engine import live_runtimes
     me = threading.get_ident()
-    for runtime in live_runtimes():
+    for runtime in upcalls.live_runtimes():
         if runtime.owner_thread == me:
             runtime.flush()                       # runs deferred work and ends the segment
         elif runtime.has_deferred():

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from adaptive_eager.config import config
-from adaptive_eager.dispatch import native
+from adaptive_eager.dispatch import native, upcalls
 from adaptive_eager.dispatch.mode import AdaptiveMode
 
 RESUME_EVERY = 1024    # paused ops between two should_resume() calls (~1 us each)
@@ -124,8 +124,7 @@ class CppInterceptor:
     def on_op(self, func, args: tuple, kwargs: dict):
         runtime = self.runtime
         if runtime.pause_requested:            # between two ops: the pause starts here
-            from adaptive_eager import api
-            api.control_point()
+            upcalls.control_point()
             if not self.active:
                 return func(*args, **kwargs)
         self.in_op = True
@@ -154,10 +153,9 @@ def current_runtime():
 
 
 def _should_resume() -> None:
-    """Every RESUME_EVERY paused ops: end the pause if it is over (api.control_point)."""
+    """Every RESUME_EVERY paused ops: end the pause if it is over (thread_state.control_point)."""
     if getattr(_local, "top", None) is not None:
-        from adaptive_eager import api
-        api.control_point()
+        upcalls.control_point()
 
 
 def _set_callbacks(ext) -> None:
@@ -197,7 +195,7 @@ def create(runtime):
 # background build lands, each waiting mode is told (a flag it reads per op, since only the
 # program's own thread may arm that thread's control points) and asks for a control point
 # (control.point_soon: the next nn.Module call or Python call event outside the mode), where
-# api.control_point swaps the interceptor between two segments: the runtime is flushed, the
+# thread_state.control_point swaps the interceptor between two segments: the runtime is flushed, the
 # mode leaves the stack, and a CppInterceptor takes over in the same state (active or paused).
 _waiting: "weakref.WeakSet[PythonInterceptor]" = weakref.WeakSet()
 

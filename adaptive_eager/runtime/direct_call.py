@@ -7,7 +7,7 @@ costs ~5 us a call beside a kernel of a few us (shared/spikes/kernel-launch: 9.4
 every run. For the graphs we compile (inputs and output buffers in, nothing returned, writes
 into the buffers kept in the graph: runtime/graph.py) AOTAutograd generates a wrapper that
 only bumps the versions of the inputs the graph writes (which the runtime puts back anyway:
-engine._run_kernel, the C++ hot path's KeepVersions), turns grad mode off around the call and
+fused_runs._run_kernel, the C++ hot path's KeepVersions), turns grad mode off around the call and
 checks that nothing came back. Where the generated wrapper is exactly that (its code names
 nothing else), the kernel is called as the generated module's ``call(list)`` with grad mode
 off. Any other wrapper (aliased outputs, mutations it applies itself, a joint graph) keeps the

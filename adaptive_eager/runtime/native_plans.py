@@ -21,7 +21,7 @@ import torch
 
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import interceptor as interceptors
-from adaptive_eager.dispatch import native
+from adaptive_eager.dispatch import native, upcalls
 from adaptive_eager.dispatch.ops import OpKind, boundary_whatever_the_arguments
 from adaptive_eager.dispatch.signature import (KEY_CONTEXT_FIELDS, LiftedScalar, ScalarArg,
                                                TensorArg, decode)
@@ -245,8 +245,8 @@ def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> int:
     started = clock.perf_counter()
     try:
         if torch.autograd.profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu"):
-            from adaptive_eager.runtime.engine import _no_autocast, _profiler_range
-            with _profiler_range(variant), _no_autocast():
+            from adaptive_eager.runtime.fused_runs import no_autocast, profiler_range
+            with profiler_range(variant), no_autocast():
                 variant.kernel(*inputs, *buffers)
         else:
             variant.kernel(*inputs, *buffers)
@@ -306,8 +306,7 @@ def _harvest() -> None:
     _take_counts(runtime.table, ext, runtime)
     runtime.table.poll_compiles()
     if runtime.pause_requested:                # cold runs of keys that never pay: pause now
-        from adaptive_eager import api         # (between two ops: hot_path_op checks)
-        api.control_point()
+        upcalls.control_point()                # (between two ops: hot_path_op checks)
 
 
 def _take_counts(table, ext, runtime=None) -> None:

@@ -1,7 +1,7 @@
 """Pausing: where nothing is worth fusing, the runtime stops intercepting (Note [Pausing],
 ``Pausing._watch``). The part of a ``Runtime`` (runtime/engine.py) that weighs each segment
 it ends and decides when to pause; the pause itself starts and ends at control points
-(api.control_point, dispatch/control.py).
+(thread_state.control_point, dispatch/control.py).
 """
 from __future__ import annotations
 
