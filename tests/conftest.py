@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
-
-sys.path.insert(0, os.path.dirname(__file__))   # tests/helpers.py, from every test folder
 
 # Before torch is imported anywhere: a private Inductor cache and no slow ISA probing.
 _SESSION_DIR = tempfile.mkdtemp(prefix="adaptive-eager-tests-")
