@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from adaptive_eager.benchmarks import report, results, runner
+from adaptive_eager.benchmarks import report, results, runner, scenarios
 from adaptive_eager.benchmarks.results import MISMATCH, NEVER, OK, SKIPPED, Row
 from adaptive_eager.benchmarks.workloads import Workload
 from adaptive_eager.cli import main
@@ -22,6 +22,7 @@ from helpers import MECHANICS_ENV
     (["--size", "huge"], "tiny, medium, large"),
     (["--modes", "eager,fast"], "eager, adaptive, compile"),
     (["--iters", "0"], "at least 1"),
+    (["--scenarios", "nope"], "tiny_chain, tiny_mlp"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(arguments, accepted, capsys):
     assert main(["bench", *arguments]) == 2
@@ -124,7 +125,7 @@ def test_a_failed_eager_child_fails_the_rest_and_exits_1(tmp_path, monkeypatch, 
 def test_a_workload_whose_extra_is_missing_is_skipped_with_the_reason():
     workload = Workload("needs_x", "needs a module", lambda size, device: None, {"tiny": "-"},
                         requires="surely_not_an_installed_module")
-    progress = runner._Progress(3, io.StringIO())
+    progress = runner.Progress(3, io.StringIO())
     plan = runner.make_plan(["chain8"], ["tiny"], iters=1)
     rows = runner.run_case(workload, "tiny", plan, progress, "/nonexistent")
     assert [row.status for row in rows] == [SKIPPED] * 3
@@ -223,3 +224,65 @@ def test_markdown_page_names_its_command_and_machine():
     assert f"by `{command}`" in page and "Machine: Test CPU, 2 cores" in page
     assert report.markdown_table(_rows()) in page
     assert "- MISMATCH: chain8 tiny compile" in page
+
+
+# ---------------------------------------------------------------------- scenarios and targets
+
+def test_list_shows_every_scenario_with_its_targets(capsys):
+    from adaptive_eager.benchmarks.scenario_child import MEASUREMENTS
+    assert set(scenarios.SCENARIOS) == set(MEASUREMENTS)      # each has its measurement
+    assert main(["bench", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "chain8" in out and "scenarios (--scenarios [NAME ...]):" in out
+    for name in scenarios.SCENARIOS:
+        assert name in out
+    assert "ratio ≤ 1.1, compiles ≤ 8" in out and "speedup ≥ 4" in out
+
+
+def test_targets_are_checked_against_the_numbers_measured():
+    new_length = scenarios.SCENARIOS["new_length_every_step"]     # ratio ≤ 1.1, compiles ≤ 8
+    within = scenarios.judge(new_length, {"eager_s": 1.0, "adaptive_s": 1.1, "compiles": 0})
+    assert [check.met for check in within.checks] == [True, True] and not within.missed
+    slow = scenarios.judge(new_length, {"eager_s": 1.0, "adaptive_s": 1.3, "compiles": 9})
+    assert [str(check) for check in slow.missed] == ["ratio ≤ 1.1: 1.30 MISSED",
+                                                     "compiles ≤ 8: 9 MISSED"]
+    large = scenarios.SCENARIOS["large_chain8"]                   # speedup ≥ 4
+    assert not scenarios.judge(large, {"eager_s": 1.0, "adaptive_s": 0.2}).missed
+    assert scenarios.judge(large, {"eager_s": 1.0, "adaptive_s": 0.5}).missed
+    with pytest.raises(ValueError, match="one bound"):
+        scenarios.Target("ratio")
+
+
+def _fake_scenario_runs(measured: dict):
+    """A stand-in for run_module: each scenario's injected measurement, None: it failed."""
+    def run_module(module, arguments, directory):
+        name = arguments[arguments.index("--scenario") + 1]
+        if measured[name] is None:
+            return runner.FreshRun(None, "RuntimeError: boom", 1.0)
+        return runner.FreshRun(measured[name], wall_s=1.0)
+    return run_module
+
+
+def test_a_missed_target_is_printed_and_a_failed_scenario_exits_1(tmp_path, monkeypatch,
+                                                                    capsys):
+    monkeypatch.setattr(runner, "build_extension", lambda stream: None)
+    monkeypatch.setattr(runner, "run_module", _fake_scenario_runs({
+        "tiny_chain": {"eager_s": 0.10, "adaptive_s": 0.10, "intercepted": 0},
+        "large_chain8": {"eager_s": 0.10, "adaptive_s": 0.05, "fused": "20/20", "per_op": {}},
+        "tiny_mlp": None}))
+    out = tmp_path / "scenarios.json"
+    arguments = ["bench", "--scenarios", "tiny_chain", "large_chain8", "--quick"]
+    assert main([*arguments, "--json", str(out)]) == 0             # a miss is no failure
+    captured = capsys.readouterr()
+    assert "[2/2] large_chain8 … 1.0 s" in captured.err
+    header, chain, large = captured.out.splitlines()[1:4]
+    assert header.split()[:2] == ["scenario", "eager"]
+    assert "ratio ≤ 1.1: 1.00 met" in chain and "ops intercepted while timed: 0" in chain
+    assert "speedup ≥ 4: 2.00 MISSED" in large and "fused 20/20" in large
+    assert "targets met: 1 of 2" in captured.out
+    assert "MISSED: large_chain8: speedup ≥ 4 (measured 2.00)" in captured.out
+    payload = json.loads(out.read_text())
+    assert payload["command"] == "adaptive-eager bench --scenarios tiny_chain large_chain8 --quick"
+    assert [t["met"] for r in payload["results"] for t in r["targets"]] == [True, False]
+    assert main(["bench", "--scenarios", "tiny_mlp"]) == 1
+    assert "FAILED: tiny_mlp: RuntimeError: boom" in capsys.readouterr().out

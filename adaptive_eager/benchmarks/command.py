@@ -1,7 +1,10 @@
 """``adaptive-eager bench``: validate the arguments, run the plan, show and write the report.
 
 Exit status: 0 when every output matched eager (skipped workloads included), 1 on an output
-mismatch or a failed child, 2 on bad arguments or a missing optional dependency.
+mismatch or a failed child, 2 on bad arguments or a missing optional dependency. With
+--scenarios: 0 when every scenario ran, whether or not it met its targets (a miss is printed:
+timings move with the machine's load, as a slow ratio in the workloads' table does not fail
+the command either), 1 when a scenario's process failed.
 """
 from __future__ import annotations
 
@@ -34,7 +37,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
     parser.add_argument("--markdown", metavar="OUT", help="write a markdown page (BENCHMARKS.md)")
     parser.add_argument("--plot", metavar="OUT.png", help="bar chart of ratios (needs matplotlib)")
-    parser.add_argument("--list", action="store_true", help="list workloads and sizes, run nothing")
+    parser.add_argument("--list", action="store_true",
+                        help="list workloads, sizes and scenarios, run nothing")
+    parser.add_argument("--scenarios", nargs="*", metavar="NAME",
+                        help="the adaptive policy's scenarios instead of the workloads, each "
+                             "checked against its targets (default: all of them; --list shows "
+                             "them)")
+    parser.add_argument("--quick", action="store_true",
+                        help="with --scenarios: fewer steps and fresh-process pairs")
     parser.add_argument("--coverage", action="store_true",
                         help="the real-model coverage suite (Hugging Face architectures) "
                              "instead of the workloads; --markdown writes docs/coverage.md")
@@ -52,12 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _list_workloads() -> int:
+    from adaptive_eager.benchmarks import scenarios
     from adaptive_eager.benchmarks.workloads import WORKLOADS
     for workload in WORKLOADS.values():
         needs = f"  [needs {workload.requires}]" if workload.requires else ""
         print(f"{workload.name:<18}{workload.description}{needs}")
         for size, shape in workload.shapes.items():
             print(f"    {size:<8}{shape}")
+    print("\n" + "\n".join(scenarios.listing()))
     return 0
 
 
@@ -71,6 +83,8 @@ def run(options: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     if options.list:
         return _list_workloads()
+    if options.scenarios is not None:
+        return _run_scenarios(options)
     if options.coverage:
         return _run_coverage(options)
     try:
@@ -109,6 +123,25 @@ def _run_coverage(options: argparse.Namespace) -> int:
     coverage_table.write(results_, " ".join(parts), options.markdown, options.json, decode,
                          options.note)
     return 0 if all(result.passed for result in results_) else 1
+
+
+def _run_scenarios(options: argparse.Namespace) -> int:
+    from adaptive_eager.benchmarks import scenarios
+    if options.coverage or options.markdown or options.plot:
+        return _error("--scenarios goes without --coverage, --markdown and --plot")
+    try:
+        names = scenarios.choose(options.scenarios)
+    except runner.PlanError as err:
+        return _error(str(err))
+    outcomes = scenarios.run(names, options.quick)
+    info = report.machine()
+    print(scenarios.text_table(outcomes, info))
+    if options.json:
+        command = " ".join(["adaptive-eager bench --scenarios", *options.scenarios]
+                           + (["--quick"] if options.quick else []))
+        report.write_json(options.json,
+                          scenarios.json_payload(outcomes, info, command, options.quick))
+    return 1 if scenarios.any_failure(outcomes) else 0
 
 
 def command_line(options: argparse.Namespace) -> str:

@@ -61,10 +61,10 @@ def _number(value: float | None, unit_digits: int = 3) -> str:
     return f"{value:.{decimals}f}"
 
 
-def _ratio(row: Row) -> str:
-    if row.ratio_to_eager is None:
+def ratio_text(ratio: float | None) -> str:
+    """Two decimals, or two significant digits below 0.1 (0.0017, not 0.00)."""
+    if ratio is None:
         return "-"
-    ratio = row.ratio_to_eager
     return f"{ratio:.2f}" if ratio >= 0.1 else _number(ratio, 2)
 
 
@@ -90,7 +90,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str], bool], ...] = (
     ("size", lambda r: r.size, False),
     ("mode", lambda r: r.mode, False),
     ("step ms", lambda r: _number(r.median_ms), True),
-    ("x eager", _ratio, True),
+    ("x eager", lambda r: ratio_text(r.ratio_to_eager), True),
     ("1st iter s", lambda r: _number(r.first_iter_s), True),
     ("N iters s", lambda r: _number(r.total_s), True),
     ("compiles", _compiles, True),
@@ -114,14 +114,19 @@ def problems(rows: list[Row]) -> list[str]:
     return [f"{_check(r)}: {r.workload} {r.size} {r.mode}: {r.detail}" for r in bad]
 
 
+def aligned(table: list[list[str]], right: list[bool]) -> list[str]:
+    """The table's lines, each column as wide as its widest cell, two spaces apart; ``right``
+    says which columns are right-aligned (numbers, so their units line up)."""
+    widths = [max(len(line[i]) for line in table) for i in range(len(right))]
+    return ["  ".join(text.rjust(width) if right_aligned else text.ljust(width)
+                      for text, width, right_aligned in zip(line, widths, right)).rstrip()
+            for line in table]
+
+
 def text_table(rows: list[Row], info: dict, iters: int) -> str:
     table = [[header for header, _, _ in COLUMNS]] + [cells(row) for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
     lines = [f"{machine_line(info)}; N = {iters}"]
-    for line in table:
-        lines.append("  ".join(text.rjust(width) if right else text.ljust(width)
-                               for text, width, (_, _, right) in zip(line, widths, COLUMNS))
-                     .rstrip())
+    lines += aligned(table, [right for _, _, right in COLUMNS])
     lines += problems(rows)
     mismatches = sum(r.status == MISMATCH for r in rows)
     if mismatches:

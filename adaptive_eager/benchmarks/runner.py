@@ -43,7 +43,9 @@ class Plan:
         return [(w, s, m) for w, s in self.cases for m in self.modes]
 
 
-def _choose(kind: str, given, accepted, default) -> tuple[str, ...]:
+def choose(kind: str, given, accepted, default) -> tuple[str, ...]:
+    """``given`` (in order, without repeats), or ``default`` when nothing is given; PlanError
+    naming what is accepted when a name is not."""
     chosen = tuple(dict.fromkeys(given)) if given else tuple(default)
     unknown = [name for name in chosen if name not in accepted]
     if unknown:
@@ -59,15 +61,15 @@ def make_plan(workloads=None, sizes=None, modes: str | None = None, iters: int =
     if iters < 1:
         raise PlanError(f"--iters must be at least 1, got {iters}")
     default_names = tuple(dict.fromkeys(name for name, _ in DEFAULT_CASES))
-    names = _choose("workload", workloads, list(WORKLOADS),
-                    WORKLOADS if run_all else default_names)
-    chosen_sizes = _choose("size", sizes, SIZES, SIZES if run_all else ("large",))
+    names = choose("workload", workloads, list(WORKLOADS),
+                   WORKLOADS if run_all else default_names)
+    chosen_sizes = choose("size", sizes, SIZES, SIZES if run_all else ("large",))
     if workloads or sizes or run_all:
         cases = tuple((name, size) for name in names for size in chosen_sizes)
     else:
         cases = DEFAULT_CASES
     given_modes = [m.strip() for m in modes.split(",") if m.strip()] if modes else None
-    chosen_modes = _choose("mode", given_modes, MODES, MODES)
+    chosen_modes = choose("mode", given_modes, MODES, MODES)
     # Eager always runs, first: every other mode is checked and timed against it.
     ordered = ("eager",) + tuple(m for m in chosen_modes if m != "eager")
     return Plan(cases, ordered, iters, device)
@@ -93,6 +95,39 @@ def child_env(directory: str) -> dict[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class FreshRun:
+    """What a module run in a fresh process left: its ``result.json``, or why there is none."""
+
+    result: dict | None         # None: the process failed or timed out
+    error: str = ""
+    wall_s: float = 0.0
+
+
+def run_module(module: str, arguments: list[str], directory: str) -> FreshRun:
+    """``python -m module *arguments`` in a fresh process with empty caches in ``directory``,
+    which the module writes its ``result.json`` into."""
+    command = [sys.executable, "-m", module, *arguments]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=child_env(directory), capture_output=True,
+                              text=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return FreshRun(None, f"timed out after {CHILD_TIMEOUT_S} s",
+                        time.perf_counter() - started)
+    wall = time.perf_counter() - started
+    result_path = os.path.join(directory, "result.json")
+    if done.returncode != 0 or not os.path.exists(result_path):
+        return FreshRun(None, _last_error_line(done.stderr, done.returncode), wall)
+    with open(result_path) as file:
+        return FreshRun(json.load(file), wall_s=wall)
+
+
+def _last_error_line(stderr: str, returncode: int) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit status {returncode}"
+
+
+@dataclasses.dataclass(frozen=True)
 class ChildOutcome:
     measurement: dict | None     # None: the child failed
     output_path: str
@@ -102,41 +137,27 @@ class ChildOutcome:
 
 def run_child(workload: str, size: str, mode: str, plan: Plan, directory: str) -> ChildOutcome:
     os.makedirs(directory)
-    command = [sys.executable, "-m", "adaptive_eager.benchmarks.child", "--workload", workload,
-               "--size", size, "--mode", mode, "--iters", str(plan.iters),
-               "--device", plan.device, "--out", directory]
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(command, env=child_env(directory), capture_output=True,
-                              text=True, timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return ChildOutcome(None, "", f"timed out after {CHILD_TIMEOUT_S} s",
-                            time.perf_counter() - started)
-    wall = time.perf_counter() - started
-    result_path = os.path.join(directory, "result.json")
-    if done.returncode != 0 or not os.path.exists(result_path):
-        return ChildOutcome(None, "", _last_error_line(done.stderr, done.returncode), wall)
-    with open(result_path) as file:
-        return ChildOutcome(json.load(file), os.path.join(directory, "output.pt"), wall_s=wall)
-
-
-def _last_error_line(stderr: str, returncode: int) -> str:
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    return lines[-1] if lines else f"exit status {returncode}"
+    run = run_module("adaptive_eager.benchmarks.child",
+                     ["--workload", workload, "--size", size, "--mode", mode,
+                      "--iters", str(plan.iters), "--device", plan.device, "--out", directory],
+                     directory)
+    if run.result is None:
+        return ChildOutcome(None, "", run.error, run.wall_s)
+    return ChildOutcome(run.result, os.path.join(directory, "output.pt"), wall_s=run.wall_s)
 
 
 # ---------------------------------------------------------------------- a workload × size
 
-class _Progress:
+class Progress:
     """One line per child on stderr: ``[3/12] chain8 large adaptive … 4.2 s``."""
 
     def __init__(self, total: int, stream: TextIO) -> None:
         self.total, self.done, self.stream = total, 0, stream
 
-    def start(self, workload: str, size: str, mode: str) -> None:
+    def start(self, *what: str) -> None:
         self.done += 1
-        print(f"[{self.done}/{self.total}] {workload} {size} {mode} … ", end="",
-              file=self.stream, flush=True)
+        print(f"[{self.done}/{self.total}] {' '.join(what)} … ", end="", file=self.stream,
+              flush=True)
 
     def finish(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
@@ -178,7 +199,7 @@ def _progress_text(row: Row, outcome: ChildOutcome | None) -> str:
     return f"{outcome.wall_s:.1f} s" + ("  OUTPUT MISMATCH" if row.status == MISMATCH else "")
 
 
-def run_case(workload, size: str, plan: Plan, progress: _Progress, directory: str) -> list[Row]:
+def run_case(workload, size: str, plan: Plan, progress: Progress, directory: str) -> list[Row]:
     """Every mode of one workload at one size; eager's child first (the reference)."""
     missing = workload.missing_requirement()
     if missing:
@@ -200,9 +221,9 @@ def run_case(workload, size: str, plan: Plan, progress: _Progress, directory: st
 def run(plan: Plan, stream: TextIO | None = None) -> list[Row]:
     """Run the plan, progress on ``stream`` (stderr); rows in plan order."""
     from adaptive_eager.benchmarks.workloads import WORKLOADS
-    progress = _Progress(len(plan.runs()), stream or sys.stderr)
+    progress = Progress(len(plan.runs()), stream or sys.stderr)
     if "adaptive" in plan.modes:
-        _build_extension(progress.stream)
+        build_extension(progress.stream)
     rows = []
     for name, size in plan.cases:
         with tempfile.TemporaryDirectory(prefix=f"ae-bench-{name}-{size}-") as directory:
@@ -210,7 +231,7 @@ def run(plan: Plan, stream: TextIO | None = None) -> list[Row]:
     return rows
 
 
-def _build_extension(stream: TextIO) -> None:
+def build_extension(stream: TextIO) -> None:
     """The C++ extension is part of the install, built once per user and torch version
     (Note [Building the extension]): the adaptive children run with it, as a user's program
     does from its second run on, and none spends its time on the build (a build beside a
