@@ -57,6 +57,11 @@ _shared_lock = threading.Lock()
 reinit_in_child(_shared_lock)   # Note [Fork]
 _shared_table: KeyTable | None = None
 _live_runtimes: "weakref.WeakSet[Runtime]" = weakref.WeakSet()
+# The same, as a tuple of weak references remade at each change: iterating a WeakSet costs
+# ~1 us, and every ae.sync() and control point walks the live runtimes.
+_live_refs: tuple = ()
+_live_lock = threading.Lock()
+reinit_in_child(_live_lock)     # Note [Fork]
 _disowned: list[KeyTable] = []     # the parent's tables, kept so nothing of theirs is closed
 
 
@@ -87,7 +92,17 @@ def reset_shared_table() -> None:
 
 
 def live_runtimes() -> list["Runtime"]:
-    return list(_live_runtimes)
+    return [runtime for ref in _live_refs if (runtime := ref()) is not None]
+
+
+def _set_live(runtime: "Runtime", live: bool) -> None:
+    global _live_refs
+    with _live_lock:
+        if live:
+            _live_runtimes.add(runtime)
+        else:
+            _live_runtimes.discard(runtime)
+        _live_refs = tuple(weakref.ref(r) for r in _live_runtimes)
 
 
 upcalls.live_runtimes = live_runtimes
@@ -187,7 +202,7 @@ class Runtime(FusedRuns, Pausing):
         # The C++ extension when it intercepts for this runtime (Note [The C++ hot path] in
         # csrc/hot_path.cpp): it defers and launches settled kernels itself.
         self.native = None
-        _live_runtimes.add(self)
+        _set_live(self, True)
 
     @property
     def table(self) -> KeyTable:
@@ -265,7 +280,7 @@ class Runtime(FusedRuns, Pausing):
         self.pool.clear()
         if not self.stood_aside:
             self.table.flush()
-        _live_runtimes.discard(self)
+        _set_live(self, False)
 
     def stand_aside(self) -> None:
         """Note [Fork]: in a forked child, run every op as it comes, and touch no table."""
