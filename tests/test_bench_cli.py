@@ -86,20 +86,24 @@ def test_compare_outputs_finds_a_wrong_value():
     assert message and "not close" in message and "\n" not in message
 
 
-def _measurement(mode, cold, steady, wait=0.0, compiles=0):
+def _measurement(mode, cold, steady, wait=0.0, compiles=0, warmup_steps=0, warmup_s=0.0):
     return {"workload": "chain8", "size": "tiny", "mode": mode, "cold_step_s": cold,
-            "compile_wait_s": wait, "steady_step_s": steady, "compiles": compiles,
-            "compile_s": 0.0, "peak_mib": 100.0, "torch_threads": 2}
+            "compile_wait_s": wait, "warmup_steps": warmup_steps, "warmup_s": warmup_s,
+            "steady_step_s": steady, "compiles": compiles, "compile_s": 0.0,
+            "peak_mib": 100.0, "torch_threads": 2}
 
 
 def _fake_children(tmp_path, wrong_mode=None, failing_mode=None):
     """A stand-in for run_child: eager's output is ones; ``wrong_mode`` writes twos."""
-    def run_child(workload, size, mode, plan, directory):
+    def run_child(workload, size, mode, plan, directory, warmup=None):
+        # eager picks the warm-up's length; every other mode gets the same
+        assert warmup == (None if mode == "eager" else 7)
         if mode == failing_mode:
             return runner.ChildOutcome(None, "", "RuntimeError: boom", 1.0)
         path = tmp_path / f"{mode}.pt"
         torch.save(torch.full((4,), 2.0 if mode == wrong_mode else 1.0), path)
-        return runner.ChildOutcome(_measurement(mode, [0.1] * 3, [0.1] * 3), str(path), "", 1.0)
+        measurement = _measurement(mode, [0.1] * 3, [0.1] * 3, warmup_steps=warmup or 7)
+        return runner.ChildOutcome(measurement, str(path), "", 1.0)
     return run_child
 
 
@@ -148,6 +152,19 @@ EAGER = _measurement("eager", cold=[1.0] * 4, steady=[1.0] * 3)
 ])
 def test_break_even(cold, wait, steady, expected):
     assert results.break_even(EAGER, _measurement("adaptive", cold, steady, wait)) == expected
+
+
+@pytest.mark.parametrize("cold, warmup_s, expected", [
+    ([2.0] * 4, 5.0, 4 + 10 + 15),    # 4 s behind, 3 s more in the warm-up: 7 / 0.5 + 1
+    ([1.25] * 4, 0.5, 4 + 10),        # 1 s behind, ahead by the warm-up's end
+    ([0.5] * 4, 5.0, 4 + 10 + 3),     # 2 s ahead, 1 s behind after the warm-up: 1 / 0.5 + 1
+    ([0.5] * 4, 1.0, 1),              # ahead from the first step on
+])
+def test_break_even_counts_the_warm_up(cold, warmup_s, expected):
+    """The warm-up's 10 steps took 2 s in eager; ``warmup_s`` in the other mode."""
+    eager = _measurement("eager", [1.0] * 4, [1.0], warmup_steps=10, warmup_s=2.0)
+    other = _measurement("adaptive", cold, [0.5], warmup_steps=10, warmup_s=warmup_s)
+    assert results.break_even(eager, other) == expected
 
 
 def test_break_even_is_where_cumulative_time_crosses():
@@ -220,7 +237,7 @@ def test_markdown_page_names_its_command_and_machine():
     assert command == "adaptive-eager bench --all --iters 7 --markdown B.md"
     info = {"cpu": "Test CPU", "cores": 2, "torch_threads": 2, "torch": "2.13.0",
             "python": "3.11.7", "os": "Linux"}
-    page = report.markdown(_rows(), info, command, iters=7, warmup=3)
+    page = report.markdown(_rows(), info, command, iters=7)
     assert f"by `{command}`" in page and "Machine: Test CPU, 2 cores" in page
     assert report.markdown_table(_rows()) in page
     assert "- MISMATCH: chain8 tiny compile" in page

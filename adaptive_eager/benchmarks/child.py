@@ -9,8 +9,14 @@ step's state after it is comparable too:
 
 1. cold: ``iters`` steps timed one by one from the first (first-iteration latency, total time);
 2. adaptive only: wait for background compiles (``ae.sync(wait_compiles=...)``), timed;
-3. warm-up: ``WARMUP_STEPS`` untimed steps (a new kernel is judged profitable or not here);
+3. warm-up: as many steps as take about WARMUP_S in eager (``warmup_steps``), timed as a
+   whole, with a second wait for compiles half-way (adaptive only, timed): new kernels are
+   judged profitable or not here, and a program with nothing to fuse pauses;
 4. steady: ``iters`` more steps timed one by one (their median is the step time).
+
+The eager child, the reference, runs first and picks the warm-up's length from its own cold
+steps; the parent hands it to the other modes (``--warmup``), so every mode runs the same
+steps on the same inputs.
 
 Each step ends when its work has been done: under the runtime with ``ae.sync()`` (deferred work
 would otherwise land in the next step's time), on CUDA with a device synchronize.
@@ -21,13 +27,20 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import resource
 import sys
 import time
 from typing import Any, Callable
 
+# Warm-up: about this long in eager, and within these bounds. The runtime settles within a
+# few hundred segments: a new kernel's trial takes 7 runs (Note [Side by side]), and a pause
+# comes after PAUSE_WINDOW (256) segments with nothing worth fusing; 3 steps of a tiny
+# workload measured a runtime still on trial, and 3 steps of a 30 ms one take 0.1 s.
+WARMUP_S = 0.5
 WARMUP_STEPS = 3
+MOST_WARMUP_STEPS = 500
 MODES = ("eager", "adaptive", "compile")
 
 
@@ -39,7 +52,10 @@ class Measurement:
     size: str
     mode: str
     cold_step_s: tuple          # the first ``iters`` steps, one by one
-    compile_wait_s: float       # adaptive: waiting for background compiles after the cold steps
+    compile_wait_s: float       # adaptive: waiting for background compiles after the cold
+                                # steps and half-way through the warm-up
+    warmup_steps: int
+    warmup_s: float             # the warm-up steps, all together
     steady_step_s: tuple        # steps after warm-up, one by one
     compiles: int
     compile_s: float | None     # None: torch.compile did not say
@@ -53,13 +69,15 @@ class Measurement:
 @dataclasses.dataclass
 class _Mode:
     """How one mode runs a step: ``call`` on a step's arguments, ``settle`` to finish its work,
-    ``scope`` around the whole schedule, ``counts`` → (compiles, compile seconds)."""
+    ``scope`` around the whole schedule, ``counts`` → (compiles, compile seconds),
+    ``outside`` around what is not the program's (building a step's inputs)."""
 
     call: Callable[..., Any]
     settle: Callable[[], None]
     scope: Callable[[], contextlib.AbstractContextManager]
     counts: Callable[[], tuple[int, float]]
     wait_for_compiles: Callable[[], None] = lambda: None
+    outside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 def _device_sync(device: str) -> Callable[[], None]:
@@ -85,7 +103,7 @@ def _adaptive_mode(fn, device: str) -> _Mode:
         stats = ae.stats()
         return stats.compiles, stats.compile_seconds
     return _Mode(fn, settle, ae.enabled, counts,
-                 wait_for_compiles=lambda: ae.sync(wait_compiles=600))
+                 wait_for_compiles=lambda: ae.sync(wait_compiles=600), outside=ae.paused)
 
 
 def _compile_mode(fn, device: str) -> _Mode:
@@ -105,9 +123,13 @@ def _compile_mode(fn, device: str) -> _Mode:
 _MODE_BUILDERS = {"eager": _eager_mode, "adaptive": _adaptive_mode, "compile": _compile_mode}
 
 
-def _timed_steps(mode: _Mode, arguments: list) -> tuple[list[float], Any]:
+def _timed_steps(mode: _Mode, case, iterations: range) -> tuple[list[float], Any]:
+    """Run these iterations, each timed alone; its arguments are built just before, outside
+    the timing and the interception (the same tensors in every mode)."""
     times, output = [], None
-    for args in arguments:
+    for iteration in iterations:
+        with mode.outside():
+            args = case.inputs(iteration)
         started = time.perf_counter()
         output = mode.call(*args)          # kept alive, as a program would keep its result
         mode.settle()
@@ -137,26 +159,42 @@ def _peak_mib(device: str) -> float:
     return mib
 
 
-def measure(workload: str, size: str, mode_name: str, iters: int, device: str = "cpu"):
-    """Run the schedule; return (Measurement, the last step's output)."""
+def warmup_steps_for(cold_step_s) -> int:
+    """How many warm-up steps take about WARMUP_S at the median of these cold steps."""
+    step = sorted(cold_step_s)[len(cold_step_s) // 2]
+    wanted = math.ceil(WARMUP_S / step) if step > 0 else MOST_WARMUP_STEPS
+    return max(WARMUP_STEPS, min(MOST_WARMUP_STEPS, wanted))
+
+
+def measure(workload: str, size: str, mode_name: str, iters: int, device: str = "cpu",
+            warmup: int | None = None):
+    """Run the schedule; return (Measurement, the last step's output). ``warmup``: the
+    warm-up's steps (None: the reference picks them, warmup_steps_for)."""
     import torch
 
     from adaptive_eager.benchmarks.workloads import WORKLOADS
     case = WORKLOADS[workload].build(size, device)
-    total = 2 * iters + WARMUP_STEPS
-    arguments = [case.inputs(i) for i in range(total)]    # built before any timing
     mode = _MODE_BUILDERS[mode_name](case.fn, device)
     with mode.scope():
-        cold, _ = _timed_steps(mode, arguments[:iters])
-        started = time.perf_counter()
-        mode.wait_for_compiles()
-        waited = time.perf_counter() - started
-        _timed_steps(mode, arguments[iters:iters + WARMUP_STEPS])
-        steady, output = _timed_steps(mode, arguments[iters + WARMUP_STEPS:])
+        cold, _ = _timed_steps(mode, case, range(iters))
+        warmup = warmup_steps_for(cold) if warmup is None else warmup
+        half, steady_from = iters + warmup // 2, iters + warmup
+        waited = _timed_wait(mode)
+        warmup_s = sum(_timed_steps(mode, case, range(iters, half))[0])
+        waited += _timed_wait(mode)
+        warmup_s += sum(_timed_steps(mode, case, range(half, steady_from))[0])
+        steady, output = _timed_steps(mode, case, range(steady_from, steady_from + iters))
         compiles, compile_s = mode.counts()
-    measurement = Measurement(workload, size, mode_name, tuple(cold), waited, tuple(steady),
-                              compiles, compile_s, _peak_mib(device), torch.get_num_threads())
+    measurement = Measurement(workload, size, mode_name, tuple(cold), waited, warmup, warmup_s,
+                              tuple(steady), compiles, compile_s, _peak_mib(device),
+                              torch.get_num_threads())
     return measurement, output
+
+
+def _timed_wait(mode: _Mode) -> float:
+    started = time.perf_counter()
+    mode.wait_for_compiles()
+    return time.perf_counter() - started
 
 
 def _detached(output: Any) -> Any:
@@ -175,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", required=True, choices=MODES)
     parser.add_argument("--iters", type=int, required=True)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--warmup", type=int, help="warm-up steps (default: the reference's "
+                        "choice, about WARMUP_S of its cold steps)")
     parser.add_argument("--out", required=True, help="directory for result.json and output.pt")
     options = parser.parse_args(argv)
     measurement, output = measure(options.workload, options.size, options.mode, options.iters,
-                                  options.device)
+                                  options.device, options.warmup)
     import torch
     torch.save(_detached(output), os.path.join(options.out, "output.pt"))
     with open(os.path.join(options.out, "result.json"), "w") as file:

@@ -13,7 +13,6 @@ import sys
 import warnings
 
 from adaptive_eager.benchmarks import report, results, runner
-from adaptive_eager.benchmarks.child import WARMUP_STEPS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,9 +168,9 @@ def _write_outputs(options: argparse.Namespace, plan: runner.Plan, rows: list) -
     print(report.text_table(rows, info, plan.iters))
     if options.json:
         report.write_json(options.json,
-                          report.json_payload(rows, info, command, plan.iters, WARMUP_STEPS))
+                          report.json_payload(rows, info, command, plan.iters))
     if options.markdown:
         with open(options.markdown, "w") as file:
-            file.write(report.markdown(rows, info, command, plan.iters, WARMUP_STEPS))
+            file.write(report.markdown(rows, info, command, plan.iters))
     if options.plot:
         report.plot(rows, info, options.plot)

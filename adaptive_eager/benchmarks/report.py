@@ -10,6 +10,7 @@ import platform
 import textwrap
 from typing import Callable
 
+from adaptive_eager.benchmarks.child import MOST_WARMUP_STEPS, WARMUP_S, WARMUP_STEPS
 from adaptive_eager.benchmarks.results import (FAILED, MISMATCH, NEVER, NOISE_FRACTION, OK,
                                                SKIPPED, Row, any_failure)
 
@@ -147,8 +148,9 @@ _EXPLANATION = """\
 What the columns mean (each workload × size × mode ran in its own fresh process with empty
 Inductor and kernel caches; every mode ran the same seeded inputs):
 
-- **step ms** — median of N steady-state steps, after the first N steps, a wait for
-  background compiles (adaptive only) and {warmup} warm-up steps.
+- **step ms** — median of N steady-state steps, after the first N steps and a warm-up of
+  about {warmup_s:g} s of eager steps ({fewest}-{most} steps; the same count in every mode),
+  with waits for background compiles before and half-way through it (adaptive only).
 - **x eager** — step ms / eager's step ms: below 1.00 is faster than eager.
 - **1st iter s**, **N iters s** — the first step, and the first N steps together, timed from
   the first step's start (cold: they include torch.compile's compile, and the adaptive
@@ -196,7 +198,7 @@ def workloads_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def markdown(rows: list[Row], info: dict, command: str, iters: int, warmup: int) -> str:
+def markdown(rows: list[Row], info: dict, command: str, iters: int) -> str:
     """The whole BENCHMARKS.md page."""
     today = datetime.date.today().isoformat()
     sections = ["# Benchmarks: eager vs adaptive vs torch.compile",
@@ -204,7 +206,8 @@ def markdown(rows: list[Row], info: dict, command: str, iters: int, warmup: int)
                 f"Machine: {machine_line(info)}. N = {iters}.",
                 markdown_table(rows),
                 "\n".join(f"- {line}" for line in problems(rows)),
-                _EXPLANATION.format(warmup=warmup, noise=NOISE_FRACTION, isa=_isa_note(info)),
+                _EXPLANATION.format(warmup_s=WARMUP_S, fewest=WARMUP_STEPS, most=MOST_WARMUP_STEPS,
+                                    noise=NOISE_FRACTION, isa=_isa_note(info)),
                 "Workloads:\n\n" + workloads_table(rows),
                 _REPRODUCE]
     return "\n\n".join(section for section in sections if section) + "\n"
@@ -212,8 +215,8 @@ def markdown(rows: list[Row], info: dict, command: str, iters: int, warmup: int)
 
 # ---------------------------------------------------------------------- JSON and the plot
 
-def json_payload(rows: list[Row], info: dict, command: str, iters: int, warmup: int) -> dict:
-    return {"command": command, "machine": info, "iters": iters, "warmup_steps": warmup,
+def json_payload(rows: list[Row], info: dict, command: str, iters: int) -> dict:
+    return {"command": command, "machine": info, "iters": iters,
             "failed": any_failure(rows),
             "results": [row.as_dict() for row in rows]}
 

@@ -31,6 +31,7 @@ class Row:
     first_iter_s: float | None = None
     total_s: float | None = None     # the first ``iters`` steps, from the first one's start
     compile_wait_s: float | None = None
+    warmup_steps: int | None = None
     compiles: int | None = None
     compile_s: float | None = None
     peak_mib: float | None = None
@@ -47,11 +48,11 @@ def median_ms(steps_s) -> float:
 def break_even(eager: dict, other: dict) -> int | str:
     """The iteration count from which ``other``'s cumulative time stays below eager's.
 
-    Both are child measurements (``cold_step_s``, ``compile_wait_s``, ``steady_step_s``).
-    The measured cold steps are compared one by one; after them ``other`` pays its wait for
-    background compiles as lost time (so this is an upper bound), then both go on at their
-    steady medians. NEVER when ``other``'s steady step is not faster than eager's (by more
-    than NOISE_FRACTION).
+    Both are child measurements (``cold_step_s``, ``compile_wait_s``, ``warmup_steps``,
+    ``warmup_s``, ``steady_step_s``). The measured cold steps are compared one by one, then
+    the warm-up's steps as a whole; ``other`` pays its waits for background compiles as lost
+    time (so this is an upper bound), then both go on at their steady medians. NEVER when
+    ``other``'s steady step is not faster than eager's (by more than NOISE_FRACTION).
     """
     eager_step = statistics.median(eager["steady_step_s"])
     gain = eager_step - statistics.median(other["steady_step_s"])
@@ -60,11 +61,14 @@ def break_even(eager: dict, other: dict) -> int | str:
     # behind[k - 1]: how much longer ``other`` took than eager over the first k steps.
     behind = list(itertools.accumulate(o - e for e, o in zip(eager["cold_step_s"],
                                                              other["cold_step_s"])))
-    measured = len(behind)
-    steps_to_catch_up = math.floor((behind[-1] + other["compile_wait_s"]) / gain) + 1
-    if steps_to_catch_up > 1:
-        return measured + steps_to_catch_up
-    # Ahead from the first extrapolated step on: since when, among the measured ones?
+    measured, warmup_steps = len(behind), other.get("warmup_steps", 0)
+    after_cold = behind[-1] + other["compile_wait_s"]
+    after_warmup = after_cold + other.get("warmup_s", 0.0) - eager.get("warmup_s", 0.0)
+    if after_warmup >= 0:                  # still behind after the warm-up: steady steps
+        return measured + warmup_steps + math.floor(after_warmup / gain) + 1
+    if after_cold >= 0:                    # caught up during the warm-up (by its end)
+        return measured + warmup_steps
+    # Ahead by the end of the cold steps: since when, among the measured ones?
     first = measured + 1
     while first > 1 and behind[first - 2] < 0:
         first -= 1
@@ -80,7 +84,8 @@ def measured_row(measurement: dict, eager: dict, status: str = OK, detail: str =
                mode=measurement["mode"], status=status, detail=detail, median_ms=median,
                ratio_to_eager=median / median_ms(eager["steady_step_s"]),
                first_iter_s=cold[0], total_s=sum(cold),
-               compile_wait_s=measurement["compile_wait_s"], compiles=measurement["compiles"],
+               compile_wait_s=measurement["compile_wait_s"],
+               warmup_steps=measurement.get("warmup_steps"), compiles=measurement["compiles"],
                compile_s=measurement["compile_s"], peak_mib=measurement["peak_mib"],
                break_even=None if is_eager else break_even(eager, measurement))
 

@@ -135,12 +135,16 @@ class ChildOutcome:
     wall_s: float = 0.0
 
 
-def run_child(workload: str, size: str, mode: str, plan: Plan, directory: str) -> ChildOutcome:
+def run_child(workload: str, size: str, mode: str, plan: Plan, directory: str,
+              warmup: int | None = None) -> ChildOutcome:
+    """One mode's fresh process; ``warmup``: its warm-up steps (None: it picks them, as the
+    eager reference does)."""
     os.makedirs(directory)
-    run = run_module("adaptive_eager.benchmarks.child",
-                     ["--workload", workload, "--size", size, "--mode", mode,
-                      "--iters", str(plan.iters), "--device", plan.device, "--out", directory],
-                     directory)
+    arguments = ["--workload", workload, "--size", size, "--mode", mode,
+                 "--iters", str(plan.iters), "--device", plan.device, "--out", directory]
+    if warmup is not None:
+        arguments += ["--warmup", str(warmup)]
+    run = run_module("adaptive_eager.benchmarks.child", arguments, directory)
     if run.result is None:
         return ChildOutcome(None, "", run.error, run.wall_s)
     return ChildOutcome(run.result, os.path.join(directory, "output.pt"), wall_s=run.wall_s)
@@ -183,7 +187,8 @@ def _run_mode(workload, size: str, mode: str, plan: Plan, eager: ChildOutcome | 
     """One mode's child and its row; ``eager``: the reference outcome (None for eager itself)."""
     if eager is not None and eager.measurement is None:
         return Row(workload.name, size, mode, FAILED, "the eager reference failed"), None
-    outcome = run_child(workload.name, size, mode, plan, os.path.join(directory, mode))
+    warmup = None if eager is None else eager.measurement["warmup_steps"]
+    outcome = run_child(workload.name, size, mode, plan, os.path.join(directory, mode), warmup)
     if outcome.measurement is None:
         return Row(workload.name, size, mode, FAILED, outcome.error), outcome
     if eager is None:
