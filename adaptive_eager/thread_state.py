@@ -263,7 +263,8 @@ def control_point() -> None:
         _switch_backend()
         if top().interceptor is interceptor:        # not now (sitting out): at a later op
             interceptor.mode.switch_pending = True
-    if not any(r.pause_requested for r in engine.live_runtimes()):
+    if control.pause_hooks_installed() and \
+            not any(r.pause_requested for r in engine.live_runtimes()):
         control.no_pause_pending()
 
 
@@ -277,7 +278,7 @@ def _banked_a_kernel(runtime) -> bool:
 def end_segment() -> None:
     """Note [Natural boundaries] (dispatch/control.py): end this thread's segment here."""
     enabled = top()
-    if enabled is not None:
+    if enabled is not None and enabled.phase is not Phase.PAUSED:   # (nothing open then)
         enabled.runtime.flush()
 
 

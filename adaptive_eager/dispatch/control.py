@@ -172,6 +172,11 @@ def _pause_at_next_call() -> None:
     sys.setprofile(on_event)
 
 
+def pause_hooks_installed() -> bool:
+    """Is the nn.Module hook of point_soon() on (no_pause_pending() removes it)?"""
+    return _module_hook is not None
+
+
 def no_pause_pending() -> None:
     global _module_hook
     with _lock:

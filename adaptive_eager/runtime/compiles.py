@@ -107,7 +107,7 @@ class Compiles:
         """Start the due compile that banked the most, if none is in flight (every waiting
         one: ``everything``, for ``sync(wait_compiles=...)``). Cheap when none waits: called
         at every segment end."""
-        if not self._queue or (self._compiling and not everything):
+        if not self._queue or not everything and (self._compiling or self._queue.none_due()):
             return
         with self._lock:
             while everything or not self._compiling:
@@ -188,6 +188,10 @@ class Compiles:
                     self.answered += 1
         if results:
             self.start_due()
+
+    def has_news(self) -> bool:
+        """Has the worker finished (or overrun) a compile that poll() would collect?"""
+        return self.worker is not None and bool(self._compiling) and self.worker.has_news()
 
     @property
     def in_flight(self) -> int:

@@ -175,8 +175,10 @@ class Pausing:
             self._segments_since_kernel = 0
 
     def awaited_kernel_landed(self) -> bool:
-        """Did the compile this pause waits for end (a kernel, or a failure)? Polls."""
+        """Did the compile this pause waits for end (a kernel, or a failure)? Collects it."""
         if self.awaited_answers is None:
             return False
-        self.table.poll_compiles()
-        return self.table.compiles_answered != self.awaited_answers
+        table = self.table
+        if table.compiles.has_news():      # (paused control points ask: most find none)
+            table.poll_compiles()
+        return table.compiles_answered != self.awaited_answers

@@ -94,6 +94,9 @@ class CompileQueue:
 
     def __init__(self) -> None:
         self._waiting: OrderedDict[str, Any] = OrderedDict()      # digest -> KeyEntry
+        # COMPILE_COST_MS when a scan last found no key due, until a key banks more: every
+        # control point of a paused program asks, and a scan walks every waiting key.
+        self._none_due_at: float | None = None
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -106,6 +109,7 @@ class CompileQueue:
         keys dropped to make room (MAX_WAITING)."""
         entry.banked_s = entry.seen * max(0.0, predicted_saving_s(entry))
         self._waiting[entry.digest] = entry
+        self._none_due_at = None
         dropped = []
         while len(self._waiting) > MAX_WAITING:
             dropped.append(self._waiting.popitem(last=False)[1])
@@ -115,19 +119,27 @@ class CompileQueue:
         """``runs`` more per-op runs of a waiting ``entry``."""
         entry.banked_s += max(0.0, predicted_saving_s(entry)) * runs
         entry.credited_at = entry.last_seen
+        self._none_due_at = None
         if entry in self:
             self._waiting.move_to_end(entry.digest)
 
     def bank_elapsed(self, now: float) -> None:
         """The program ran unwatched (paused) since each key's last credit: credit the runs
         it would have made at its rate."""
+        self._none_due_at = None
         for entry in self._waiting.values():
             since = max(entry.credited_at, entry.last_seen)
             entry.banked_s += max(0.0, predicted_saving_s(entry)) * \
                 runs_per_second(entry) * max(0.0, now - since)
             entry.credited_at = now
 
+    def none_due(self) -> bool:
+        """Known to hold no due key (no key banked more since a scan found none)?"""
+        return self._none_due_at is not None and self._none_due_at == config.COMPILE_COST_MS
+
     def due_count(self) -> int:
+        if self.none_due():
+            return 0
         return sum(map(is_due, self._waiting.values()))     # at most MAX_WAITING keys
 
     def discard(self, entry: Any) -> None:
@@ -136,9 +148,13 @@ class CompileQueue:
 
     def pop_next(self, everything: bool = False) -> Any | None:
         """The due key that banked the most (any waiting key: ``everything``), or None."""
+        if not everything and self.none_due():
+            return None
         due = [entry for entry in self._waiting.values()
                if everything or is_due(entry)]
         if not due:
+            if not everything:
+                self._none_due_at = config.COMPILE_COST_MS
             return None
         best = max(due, key=lambda entry: entry.banked_s)
         del self._waiting[best.digest]

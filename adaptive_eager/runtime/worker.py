@@ -289,6 +289,16 @@ class CompileWorker:
                 return
             self._results.put(("result", result))
 
+    def has_news(self) -> bool:
+        """Would poll() return something? (No lock: a paused program asks at every control
+        point; a dict changed under the check just says yes.)"""
+        if not self._results.empty():
+            return True
+        try:
+            return any(deadline < time.monotonic() for deadline, _ in self._deadlines.values())
+        except RuntimeError:              # another thread submitted meanwhile
+            return True
+
     def poll(self) -> list[CompileResult]:
         """Results that arrived, and failures for requests whose worker died or overran."""
         results = []

@@ -78,6 +78,27 @@ def test_a_kernel_slower_than_per_op_is_dropped_with_both_timings(fake_clock):
     assert record.eager_ms == pytest.approx(5 * OP_S * 1e3)
 
 
+def test_a_kernels_record_keeps_the_eager_time_timed_beside_it(fake_clock):
+    """``cache ls`` divides the stored eager time by the fused one: once a key has a kernel,
+    per-op runs under the runtime (slower: interception, a compile beside them) must not
+    overwrite the plain eager time measured beside the kernel (Note [Side by side])."""
+    fake_clock.op_s = OP_S
+    x = torch.randn(64)
+    with use_compiler(TimedKernels(fake_clock, OP_S)), \
+            config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
+        for _ in range(16):
+            chain(x)                               # hot, compiled, kept: 5 ops vs 1 kernel
+        [entry] = engine.shared_table().entries()
+        assert entry.state is KeyState.READY and entry.control_samples
+        entry.control_samples.clear()              # as a process that loaded it: no trial
+        for _ in range(8):                         # slow per-op runs
+            entry.add_sample(entry.eager_samples, 100 * 5 * OP_S)
+        engine.shared_table().records.note_seen(entry)
+    ae.reset()                                     # written for the next process
+    [record] = Store(config.CACHE_DIR).records()
+    assert record.eager_ms == pytest.approx(5 * OP_S * 1e3)
+
+
 def test_verify_mode_runs_are_no_profit_samples(fake_clock):
     """A checked run pays for the check: verify mode's runs must not get a kernel dropped
     (the verdict is stored, and a later process without verify mode would obey it)."""
