@@ -107,10 +107,6 @@ def top() -> Enabled | None:
     return stack[-1] if stack else None
 
 
-def depth() -> int:
-    return len(_thread.stack)
-
-
 def backend() -> str:
     """Which interception runs this thread's runtime ("cpp" or "python"); else the latest
     one any thread ran ("" if none)."""

@@ -1,0 +1,48 @@
+"""The per-thread state machine (adaptive_eager/thread_state.py): its moves, and the phases
+the public API puts an enable() in."""
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager import thread_state
+from adaptive_eager.thread_state import Enabled, InvalidTransition, Phase
+from helpers import chain
+
+
+@pytest.mark.parametrize("start, end", [
+    (Phase.INTERCEPTING, Phase.PAUSED), (Phase.PAUSED, Phase.INTERCEPTING),
+    (Phase.INTERCEPTING, Phase.ASIDE), (Phase.ASIDE, Phase.INTERCEPTING),
+    (Phase.INTERCEPTING, Phase.SITTING_OUT), (Phase.SITTING_OUT, Phase.INTERCEPTING),
+    (Phase.PAUSED, Phase.STOOD_ASIDE), (Phase.STOOD_ASIDE, Phase.STOOD_ASIDE),
+])
+def test_the_listed_moves_are_made(start, end):
+    enabled = Enabled(runtime=None, interceptor=None, phase=start)
+    enabled.move(end)
+    assert enabled.phase is end
+
+
+@pytest.mark.parametrize("start, end", [
+    (Phase.PAUSED, Phase.ASIDE), (Phase.ASIDE, Phase.PAUSED),
+    (Phase.SITTING_OUT, Phase.PAUSED), (Phase.STOOD_ASIDE, Phase.INTERCEPTING),
+])
+def test_any_other_move_is_a_bug_that_says_so(start, end):
+    enabled = Enabled(runtime=None, interceptor=None, phase=start)
+    with pytest.raises(InvalidTransition, match=f"{start.value} to {end.value}"):
+        enabled.move(end)
+    assert enabled.phase is start
+
+
+def test_enable_paused_and_disable_move_the_phase():
+    x = torch.randn(16)
+    assert thread_state.top() is None
+    with ae.enabled():
+        enabled = thread_state.top()
+        assert enabled.phase is Phase.INTERCEPTING
+        with ae.paused():
+            assert enabled.phase is Phase.ASIDE and not enabled.interceptor.is_active()
+            with ae.paused():                      # nested: nothing more to step aside from
+                assert enabled.phase is Phase.ASIDE
+            chain(x)
+        assert enabled.phase is Phase.INTERCEPTING and enabled.interceptor.is_active()
+        chain(x)
+    assert thread_state.top() is None
