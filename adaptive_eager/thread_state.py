@@ -177,13 +177,19 @@ def step_aside() -> Enabled | None:
     """Finish this thread's deferred work and stop intercepting (``ae.paused()``): the
     enable() moved ASIDE, or None when not enabled, not intercepting, or another mode is on
     top."""
+    return _stop_intercepting(Phase.ASIDE)
+
+
+def _stop_intercepting(phase: Phase) -> Enabled | None:
+    """Move the intercepting top enable() to ``phase`` (ASIDE or SITTING_OUT), its deferred
+    work finished first; None when there is none (or another mode is on top)."""
     enabled = top()
     if enabled is None or enabled.phase is not Phase.INTERCEPTING or \
             not enabled.interceptor.is_active():
         return None
     enabled.runtime.flush()
     enabled.interceptor.deactivate()
-    enabled.move(Phase.ASIDE)
+    enabled.move(phase)
     return enabled
 
 
@@ -201,13 +207,9 @@ def sit_out(optimizer, step_frame) -> None:
     runs the step: while it is on the stack, control points leave the mode off."""
     if _thread.sitting_out is not None:
         return                         # an outer optimizer's step sits out already
-    enabled = top()
-    if enabled is None or enabled.phase is not Phase.INTERCEPTING or \
-            not enabled.interceptor.is_active():
+    enabled = _stop_intercepting(Phase.SITTING_OUT)
+    if enabled is None:
         return                         # nothing to take off
-    enabled.runtime.flush()
-    enabled.interceptor.deactivate()
-    enabled.move(Phase.SITTING_OUT)
     _thread.sitting_out = SitOut(enabled, id(optimizer), step_frame)
     decide("first_step_plain", optimizer=type(optimizer).__name__)
 
