@@ -53,7 +53,8 @@ class KeyTable:
         self.compiles = Compiles(self._lock, disk, self.loaded, self.records,
                                  start=self._start_compile)
         self.generic = GenericKernels(self.loaded, self.compiles)
-        self.profit = ProfitTrial(self._lock, self.loaded, self.records)
+        self.profit = ProfitTrial(self._lock, self.loaded, self.records,
+                                  compiling=lambda: self.compiles.in_flight > 0)
         self.keys = KeyBook(self.records, release=self._release)
 
     def entries(self) -> list[KeyEntry]:

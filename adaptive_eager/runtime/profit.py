@@ -7,6 +7,7 @@ PROFIT_SAMPLES of each the kernel is kept or dropped as unprofitable.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from adaptive_eager.config import config
 from adaptive_eager.runtime.decisions import decide
@@ -22,10 +23,12 @@ PROFIT_MARGIN = 0.10  # a kernel must beat per-op by this fraction to be kept
 
 
 class ProfitTrial:
-    def __init__(self, lock: threading.RLock, loaded: LoadedKernels, records: Records) -> None:
+    def __init__(self, lock: threading.RLock, loaded: LoadedKernels, records: Records,
+                 compiling: Callable[[], bool] = lambda: False) -> None:
         self._lock = lock                 # the key table's
         self._loaded = loaded
         self._records = records
+        self._compiling = compiling       # Note [Trials without a compile beside]
 
     def fused_run(self, variant: Variant, seconds: float | None, runs: int = 1) -> None:
         """``runs`` fused runs of ``variant``, the last of which took ``seconds`` (None: not
@@ -35,7 +38,7 @@ class ProfitTrial:
             counters.add("cache_hits_memory", runs)
             entry = variant.entry
             entry.fused_runs += runs
-            if seconds is not None:
+            if seconds is not None and (entry.judged or not self._compiling()):
                 entry.add_sample(entry.fused_samples, seconds)
             fused_ms = entry.fused_ms             # None where no run was timed (verify mode)
             self._records.note(entry, fused_runs=runs,
@@ -53,11 +56,20 @@ class ProfitTrial:
     # its runs alternate with runs of the deferred segment per-op (the ops' own time, as a
     # paused program would spend it), PROFIT_SAMPLES of each after the warm-up run. Per-op
     # runs give eager's results exactly, and the trial costs nothing against eager.
+    #
+    # Note [Trials without a compile beside]: side by side is not enough while the worker
+    # compiles another key. The worker takes a core from the program; a fused run (often
+    # OpenMP over every core) and a per-op run suffer from it differently, and the kernel then
+    # runs in steady state with no compile beside it. On a 2-layer transformer step a trial
+    # timed that way claimed ~157 ms saved a step where ~11 ms was real, and the set of kept
+    # kernels differed from run to run. So while a compile is in flight a kernel on trial runs
+    # fused and untimed (no per-op runs, no samples); its trial goes on once the worker is idle.
 
     def wants_eager_run(self, variant: Variant) -> bool:
         """Should this deferred run of ``variant`` go per-op, timed beside its kernel's?"""
         entry = variant.entry
-        if entry.judged or config.KEEP_UNPROFITABLE or variant.on_probation:
+        if entry.judged or config.KEEP_UNPROFITABLE or variant.on_probation or \
+                self._compiling():
             return False
         timed_fused = len(entry.fused_samples) - 1            # after the warm-up run
         return len(entry.control_samples) < PROFIT_SAMPLES and \

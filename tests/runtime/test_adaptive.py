@@ -187,6 +187,29 @@ def test_a_kernel_is_judged_against_plain_eager_timed_beside_it():
         assert variant not in table.kernels.values()
 
 
+def test_a_trial_waits_while_a_compile_is_in_flight(monkeypatch):
+    """Note [Trials without a compile beside]: while the worker compiles another key, a kernel
+    on trial runs fused and untimed; its trial goes on once nothing compiles."""
+    x = torch.randn(64)
+    with config.patch(KEEP_UNPROFITABLE=True), ae.enabled():
+        table, variant = _kernel_of_chain(x)
+        entry = variant.entry
+        entry.fused_samples, entry.control_samples, entry.judged = [0.030], [], False
+        with config.patch(KEEP_UNPROFITABLE=False):
+            monkeypatch.setattr(type(table.compiles), "in_flight", property(lambda self: 1))
+            assert not table.wants_eager_run(variant)
+            for _ in range(5):
+                table.touch(variant, 0.050)                  # a compile beside: not a sample
+            assert entry.fused_samples == [0.030] and not entry.judged
+            assert entry.fused_runs >= 5
+            monkeypatch.undo()                               # the worker is idle again
+            assert table.wants_eager_run(variant)
+            for _ in range(3):
+                table.touch_eager(variant, 0.010)
+                table.touch(variant, 0.004)
+        assert entry.judged and entry.state is KeyState.READY and entry.fused_ms == 4.0
+
+
 def test_a_kernel_that_loses_its_first_trial_is_timed_once_more():
     """Three timed runs can all fall in one busy moment; the verdict would be for good (and
     on disk), so a kernel that loses is dropped only if it loses again."""
