@@ -172,9 +172,9 @@ Each adaptive step ends with `ae.sync()`, so deferred work lands in its own step
 {isa}"""
 
 _REPRODUCE = """\
-To reproduce: `pip install ".[hf]"` (for `hf_gpt2`), then run the command above; on a busy
-machine the medians move, so compare runs on one machine only. Workloads and sizes:
-`adaptive-eager bench --list`. Steady state only, in one process, with pytest-benchmark:
+To reproduce: `pip install ".[hf]"` (for the `hf_gpt2` workloads), then run the command
+above; on a busy machine the medians move, so compare runs on one machine only. Workloads and
+sizes: `adaptive-eager bench --list`. Steady state only, in one process, with pytest-benchmark:
 `pytest bench/ --benchmark-only` (README, "Benchmarks")."""
 
 

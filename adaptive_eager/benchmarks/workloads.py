@@ -255,7 +255,8 @@ GPT2 = {"tiny": dict(n_layer=2, n_embd=32, n_head=2, batch=1, length=16),
         "large": dict(n_layer=4, n_embd=384, n_head=6, batch=2, length=256)}
 
 
-def _build_hf_gpt2(size: str, device: str) -> Case:
+def _gpt2(size: str, device: str):
+    """A GPT-2 LM of ``size`` with random weights (no dropout), and a batch of token ids."""
     import transformers
     torch.manual_seed(0)
     shape = dict(GPT2[size])
@@ -263,13 +264,32 @@ def _build_hf_gpt2(size: str, device: str) -> Case:
     config = transformers.GPT2Config(**shape, vocab_size=2048, n_positions=length,
                                      attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
                                      bos_token_id=0, eos_token_id=1)
-    model = transformers.GPT2LMHeadModel(config).to(device).eval()   # random weights
-    ids = torch.randint(0, config.vocab_size, (batch, length), device=device)
+    model = transformers.GPT2LMHeadModel(config).to(device)
+    return model, torch.randint(0, config.vocab_size, (batch, length), device=device)
+
+
+def _build_hf_gpt2(size: str, device: str) -> Case:
+    model, ids = _gpt2(size, device)
+    model.eval()
 
     def gpt2_logits(ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return model(input_ids=ids, use_cache=False).logits
     return Case(gpt2_logits, _same_every_time(ids))
+
+
+def _build_hf_gpt2_train(size: str, device: str) -> Case:
+    model, ids = _gpt2(size, device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def gpt2_train_step(ids: torch.Tensor):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        return (loss.detach(), *(p.detach() for p in model.parameters()))
+    return Case(gpt2_train_step, _same_every_time(ids))
 
 
 # ---------------------------------------------------------------------- the registry
@@ -300,6 +320,11 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
     Workload("tiny_loop", "32 batch-1 Linear+Tanh calls", _build_tiny_loop,
              _shapes(TINY_LOOP, lambda w: f"1×{w}")),
     Workload("hf_gpt2", "Hugging Face GPT-2 logits (random weights)", _build_hf_gpt2,
+             _shapes(GPT2, lambda s: f"{s['n_layer']} layers, width {s['n_embd']}, "
+                                     f"batch {s['batch']}×{s['length']}"),
+             requires="transformers", extra="hf"),
+    Workload("hf_gpt2_train", "Hugging Face GPT-2 training step (AdamW foreach)",
+             _build_hf_gpt2_train,
              _shapes(GPT2, lambda s: f"{s['n_layer']} layers, width {s['n_embd']}, "
                                      f"batch {s['batch']}×{s['length']}"),
              requires="transformers", extra="hf"),
