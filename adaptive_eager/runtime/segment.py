@@ -346,8 +346,12 @@ class SegmentBuilder:
             return False
         if weak.cdata not in pooled_storages:
             return True
-        storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
-        return _use_count(storage._cdata) > 2             # the pool's and ours above
+        # Counted in place (the weak reference keeps the StorageImpl readable), beside the
+        # pool's own reference. A storage object made from the weak reference would not
+        # always add one: a storage that has a Python object (a pooled one does: the pool's)
+        # comes back as that object, so "more than the pool's and ours" missed the one
+        # shallow copy autograd keeps of a tanh's result, whose kernel then left it unwritten.
+        return _use_count(weak.cdata) > 1
 
     def _live_view(self, ref: Ref) -> torch.Tensor | None:
         for wref in self._views_of.get(ref, ()):

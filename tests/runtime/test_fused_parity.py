@@ -205,3 +205,33 @@ def test_pooled_buffers_handed_out_again_under_autograd(compiler):
     for got in runs:
         assert_equal(got, expected)
     _fused_ran(min_runs=2)
+
+
+def _result_kept_only_by_autograd(x, y):
+    a = x * 2.0
+    b = a * 3.0            # (a product with a number saves nothing: `a` is dead here)
+    del a
+    c = b.tanh()           # on a's pooled buffer again; tanh's backward keeps its result
+    del b
+    d = c * 0.5
+    del c                  # only autograd's shallow copy of `c` is left
+    return (d + x) * y
+
+
+def test_a_pooled_output_only_autograd_keeps_is_written(compiler):
+    """A pooled buffer handed out again whose output only autograd's (unseen) copy keeps
+    must still be written: on cpp its backward read the buffer's earlier output (judged
+    dead: the pool's Python storage object came back for the use count, adding none)."""
+    def run():
+        g = torch.Generator().manual_seed(0)
+        x, y = (torch.randn(512, 1024, generator=g, requires_grad=True) for _ in range(2))
+        out = _result_kept_only_by_autograd(x, y)
+        out.sum().backward()
+        return [out.detach(), x.grad, y.grad]
+
+    expected = run()
+    with config.patch(HOT_THRESHOLD=1), ae.enabled():
+        runs = [run() for _ in range(5)]
+    for got in runs:
+        assert_equal(got, expected)
+    _fused_ran(min_runs=2)
