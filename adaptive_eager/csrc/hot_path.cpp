@@ -382,13 +382,9 @@ bool advance(Run& run, const c10::OperatorHandle& op, DispatchKeySet ks,
 
 bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
   if (!t_hot || g_off.load(std::memory_order_relaxed)) return false;
-  const auto entered = std::chrono::steady_clock::now();
   Run& run = t_run;
   if (run.node != nullptr) {
-    if (advance(run, op, ks, stack)) {
-      run.on_path_s += seconds_since(entered);
-      return true;
-    }
+    if (advance(run, op, ks, stack)) return true;
     end_run(run);                  // fused, or Python's now (which may open its segment)
   }
   if (t_open || thread_paused()) return false;   // (a harvest may have paused it)
@@ -401,11 +397,8 @@ bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::S
     run.trie = trie;
     run.node = root;
     run.cold = cold;
-    run.started = entered;
-    if (advance(run, op, ks, stack)) {
-      run.on_path_s = seconds_since(entered);
-      return true;
-    }
+    run.started = std::chrono::steady_clock::now();
+    if (advance(run, op, ks, stack)) return true;
     run.clear();
   }
   return false;

@@ -110,7 +110,7 @@ struct PlanCounts {
   int64_t runs = 0;          // cold: ended on this plan, its live outputs those of its key
   int64_t misses = 0;        // walked its path and ended elsewhere (Note [Cold plans])
   double wall_s = 0.0;       // of the runs, in all
-  double last_s = 0.0;       // the last one's cost (a kernel's: Note [Side by side])
+  double last_s = 0.0;       // of the last one
   double compute_s = std::numeric_limits<double>::infinity();   // least of one run, in ops
   double fusible_s = std::numeric_limits<double>::infinity();   // of that, outside extern ops
 };

@@ -58,10 +58,6 @@ struct Run {
   const Node* node = nullptr;
   bool cold = false;                  // on a cold plan's path: its ops run at once
   double compute_s = 0.0, extern_s = 0.0;   // cold: inside its ops, and extern ones
-  // Deferred: the time its ops spent on this path, what the run costs beside its kernel
-  // (Note [Side by side] in runtime/profit.py: not the program's code between the ops,
-  // which eager runs as well).
-  double on_path_s = 0.0;
   std::vector<at::Tensor> inputs;
   // Flat vectors, searched from the newest (a segment has at most MAX_SEGMENT_OPS ops): no
   // allocation per op once a thread's run has grown to its segments' size.
@@ -93,7 +89,7 @@ struct Run {
     computed.clear();
     placed.clear();
     cold = false;
-    compute_s = extern_s = on_path_s = 0.0;
+    compute_s = extern_s = 0.0;
   }
 };
 

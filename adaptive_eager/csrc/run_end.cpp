@@ -143,16 +143,14 @@ bool launch_direct(const Run& run, const Plan& plan, const DirectKernel& direct,
     if (index >= inputs + buffers.size()) return false;
     pointers[i] = (index < inputs ? run.inputs[index] : buffers[index - inputs]).data_ptr();
   }
-  const auto called = std::chrono::steady_clock::now();
   kCallers[direct.arguments.size()](direct.function, pointers);
   g_direct_runs.fetch_add(1, std::memory_order_relaxed);
   double wall_s = seconds_since(run.started);
-  double cost_s = run.on_path_s + seconds_since(called);   // (Note [Side by side])
   {
     std::lock_guard<std::mutex> lock(plan.counts_mutex);
     plan.counts.runs += 1;
     plan.counts.wall_s += wall_s;
-    plan.counts.last_s = cost_s;
+    plan.counts.last_s = wall_s;
   }
   count_for_harvest(wall_s);
   return true;
@@ -168,7 +166,8 @@ Launched launch(Run& run, const Plan& plan) {
   const DirectKernel* direct = plan.direct.load(std::memory_order_acquire);
   if (direct != nullptr && !at::hasCallbacks() && launch_direct(run, plan, *direct, buffers))
     return Launched::Fused;          // (a profiler records: Python names the run)
-  const double seconds = run.on_path_s;     // the kernel's time is added in Python
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                 run.started).count();
   KeepVersions versions(run.inputs, buffers);
   py::gil_scoped_acquire gil;
   py::object inputs = tensor_list(run.inputs), outs = tensor_list(buffers);

@@ -257,9 +257,8 @@ def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> int:
     if judged and not variant.direct_tried:
         _call_from_cpp(variant)
     if variant.untouched_runs >= TOUCH_EVERY or not judged:   # a trial counts every run
-        # waited_s (deferring its ops, not the program's code between them: Note [Side by
-        # side]) is the machine's time, measured in C++; where a test states times (Note
-        # [Clock]), the kernel's alone
+        # waited_s (deferring its ops, and the program's code between them) is the machine's
+        # time, measured in C++; where a test states times (Note [Clock]), the kernel's alone
         waited_s = waited_s if clock.is_the_machines() else 0.0
         runtime.table.touch(variant, waited_s + clock.perf_counter() - started,
                             variant.untouched_runs)

@@ -56,11 +56,6 @@ class ProfitTrial:
     # its runs alternate with runs of the deferred segment per-op (the ops' own time, as a
     # paused program would spend it), PROFIT_SAMPLES of each after the warm-up run. Per-op
     # runs give eager's results exactly, and the trial costs nothing against eager.
-    # A fused run is timed as what it costs beside the program's own code: the time its ops
-    # spent being deferred, then the kernel's (csrc/hot_path.cpp measures the first). Timed
-    # from the run's first op, it also counted the program's Python between the ops (a
-    # model's module code), which eager runs as well: a kernel was charged for it against
-    # per-op runs that were not.
     #
     # Note [Trials without a compile beside]: side by side is not enough while the worker
     # compiles another key. The worker takes a core from the program; a fused run (often
