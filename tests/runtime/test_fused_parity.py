@@ -188,14 +188,13 @@ def _recycling_chain(x, y):
     return ((d * b).tanh() + x).relu() * y.sigmoid()
 
 
-def test_pooled_buffers_handed_out_again_under_autograd(compiler):
-    """Outputs of >= 1 MiB come from the buffer pool, which hands a dead intermediate's buffer
-    to a later op of the same deferred run; its gradients equal eager's (on cpp they differed:
-    the buffer's earlier output was taken for live, Note [Shallow copies])."""
+def _pooled_chain_under_autograd_equals_eager(chain):
+    """``chain`` on two 2 MiB inputs, and its gradients, under the runtime (fused from its
+    second call on) equal eager's."""
     def run():
         g = torch.Generator().manual_seed(0)
         x, y = (torch.randn(512, 1024, generator=g, requires_grad=True) for _ in range(2))
-        out = _recycling_chain(x, y)
+        out = chain(x, y)
         out.sum().backward()
         return [out.detach(), x.grad, y.grad]
 
@@ -205,6 +204,13 @@ def test_pooled_buffers_handed_out_again_under_autograd(compiler):
     for got in runs:
         assert_equal(got, expected)
     _fused_ran(min_runs=2)
+
+
+def test_pooled_buffers_handed_out_again_under_autograd(compiler):
+    """Outputs of >= 1 MiB come from the buffer pool, which hands a dead intermediate's buffer
+    to a later op of the same deferred run; its gradients equal eager's (on cpp they differed:
+    the buffer's earlier output was taken for live, Note [Shallow copies])."""
+    _pooled_chain_under_autograd_equals_eager(_recycling_chain)
 
 
 def _result_kept_only_by_autograd(x, y):
@@ -222,16 +228,4 @@ def test_a_pooled_output_only_autograd_keeps_is_written(compiler):
     """A pooled buffer handed out again whose output only autograd's (unseen) copy keeps
     must still be written: on cpp its backward read the buffer's earlier output (judged
     dead: the pool's Python storage object came back for the use count, adding none)."""
-    def run():
-        g = torch.Generator().manual_seed(0)
-        x, y = (torch.randn(512, 1024, generator=g, requires_grad=True) for _ in range(2))
-        out = _result_kept_only_by_autograd(x, y)
-        out.sum().backward()
-        return [out.detach(), x.grad, y.grad]
-
-    expected = run()
-    with config.patch(HOT_THRESHOLD=1), ae.enabled():
-        runs = [run() for _ in range(5)]
-    for got in runs:
-        assert_equal(got, expected)
-    _fused_ran(min_runs=2)
+    _pooled_chain_under_autograd_equals_eager(_result_kept_only_by_autograd)
