@@ -347,10 +347,8 @@ class SegmentBuilder:
         if weak.cdata not in pooled_storages:
             return True
         # Counted in place (the weak reference keeps the StorageImpl readable), beside the
-        # pool's own reference. A storage object made from the weak reference would not
-        # always add one: a storage that has a Python object (a pooled one does: the pool's)
-        # comes back as that object, so "more than the pool's and ours" missed the one
-        # shallow copy autograd keeps of a tanh's result, whose kernel then left it unwritten.
+        # pool's own reference: a storage object made from the weak reference adds none,
+        # since it comes back as the pool's own Python object.
         return _use_count(weak.cdata) > 1
 
     def _live_view(self, ref: Ref) -> torch.Tensor | None:
