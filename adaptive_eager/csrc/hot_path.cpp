@@ -42,7 +42,7 @@ using c10::IValue;
 
 namespace adaptive_eager {
 
-std::atomic<int64_t> g_ops_deferred{0}, g_fused_runs{0}, g_fused_ops{0}, g_takeovers{0};
+std::atomic<int64_t> g_ops_deferred{0}, g_fused_runs{0}, g_fused_ops{0}, g_divergences{0};
 std::atomic<int64_t> g_cold_runs{0}, g_cold_ops{0}, g_cold_misses{0}, g_direct_runs{0};
 std::atomic<int64_t> g_per_op_ops{0};
 PyObject* g_launch = nullptr;
@@ -170,14 +170,17 @@ std::optional<Ref> ref_of(Run& run, const at::Tensor& t, const Pending& pending)
     if (pending[i].unsafeGetTensorImpl() == impl)
       return Ref{-1, static_cast<int32_t>(run.inputs.size() + i)};
   if (t.has_storage()) {      // Note [Shallow copies]: an unseen alias of an output
+    // From the newest: memory the pool handed out again within the run holds its newest
+    // computed output, and what was placed on it before is gone (Python keeps the newest).
     const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
     bool on_output = false;
     std::optional<Layout> layout;
-    for (const Placed& place : run.placed) {
-      if (place.storage != storage) continue;
+    for (auto place = run.placed.rbegin(); place != run.placed.rend(); ++place) {
+      if (place->storage != storage) continue;
       on_output = true;
       if (!layout) layout = layout_of(t);
-      if (place.layout == *layout) return place.ref;
+      if (place->layout == *layout) return place->ref;
+      if (place->computed) break;
     }
     if (on_output) return std::nullopt;   // other memory of an output, made by no op
   }
@@ -258,7 +261,7 @@ void remember_output(Run& run, const at::Tensor& t, Ref ref, bool computed, bool
   run.outputs.emplace_back(t.getIntrusivePtr());
   if (!t.has_storage()) return;
   WeakStorage storage = t.storage().getWeakStorageImpl();
-  run.placed.push_back(Placed{t.storage().unsafeGetStorageImpl(), layout_of(t), ref});
+  run.placed.push_back(Placed{t.storage().unsafeGetStorageImpl(), layout_of(t), ref, computed});
   if (!computed) return;
   const c10::StorageImpl* place = t.storage().unsafeGetStorageImpl();
   for (Output& earlier : run.computed)
@@ -385,7 +388,11 @@ bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::S
   Run& run = t_run;
   if (run.node != nullptr) {
     if (advance(run, op, ks, stack)) return true;
-    end_run(run);                  // fused, or Python's now (which may open its segment)
+    end_run(run);                  // fused, or Python's now (which may open its segment),
+    if (run.node != nullptr) {     // or replayed and on a cold plan's path
+      if (advance(run, op, ks, stack)) return true;
+      end_run(run);
+    }
   }
   if (t_open || thread_paused()) return false;   // (a harvest may have paused it)
   const auto& trie = current_trie();
@@ -457,11 +464,11 @@ void define_hot_path(py::module& m) {
   }, "A tensor sharing outside memory (Note [Outside memory]): never a deferred input.");
   m.def("take_counts", [] {
     return py::make_tuple(g_ops_deferred.exchange(0), g_fused_runs.exchange(0),
-                          g_fused_ops.exchange(0), g_takeovers.exchange(0),
+                          g_fused_ops.exchange(0), g_divergences.exchange(0),
                           g_cold_ops.exchange(0), g_cold_runs.exchange(0),
                           g_cold_misses.exchange(0), g_direct_runs.exchange(0),
                           g_per_op_ops.exchange(0));
-  }, "(ops deferred, fused runs, fused ops, takeovers, cold ops, cold runs, cold misses, "
+  }, "(ops deferred, fused runs, fused ops, divergences, cold ops, cold runs, cold misses, "
      "direct launches, ops replayed for trials) since the last call.");
 }
 

@@ -55,7 +55,9 @@ Context current_context() {
 }
 
 bool same_value(const IValue& spec, const IValue& actual) {
-  if (spec.isNone()) return actual.isNone();
+  if (spec.isNone())          // an optional tensor autograd passes on is an undefined one,
+    return actual.isNone() ||  // which reaches Python as None
+           (actual.isTensor() && !actual.toTensor().defined());
   if (spec.isBool()) return actual.isBool() && spec.toBool() == actual.toBool();
   if (spec.isInt()) {
     if (actual.isInt()) return spec.toInt() == actual.toInt();
@@ -281,7 +283,8 @@ std::vector<Ref> refs_from(const py::list& list) {
 
 // "" when registered; else why the plan stays with Python.
 std::string plan_add(int64_t handle, bool cold, py::object segment, py::tuple context,
-                     py::list ops, py::list live, py::list final_results, bool mutates) {
+                     py::list ops, py::list live, py::list final_results, bool mutates,
+                     std::vector<int32_t> written_inputs) {
   auto plan = std::make_shared<Plan>();
   try {
     plan->handle = handle;
@@ -291,6 +294,7 @@ std::string plan_add(int64_t handle, bool cold, py::object segment, py::tuple co
     plan->live = refs_from(live);
     plan->final_results = refs_from(final_results);
     plan->mutates = mutates;
+    plan->written_inputs = std::move(written_inputs);
     plan->segment = std::make_shared<PyRef>(segment);
   } catch (const std::exception& err) {
     std::string message = err.what();

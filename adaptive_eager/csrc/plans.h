@@ -133,6 +133,7 @@ struct Plan {
                                     // cold: the key's live outputs
   std::vector<Ref> final_results;   // Note [Results thrown away] (runtime/segment.py)
   bool mutates;
+  std::vector<int32_t> written_inputs;   // inputs its in-place ops write (Segment.written_inputs)
   std::shared_ptr<PyRef> segment;   // Python's Segment, for takeover
   mutable std::mutex counts_mutex;
   mutable PlanCounts counts;

@@ -51,6 +51,7 @@ struct Placed {
   const c10::StorageImpl* storage;   // valid while the output's weak references hold it
   Layout layout;
   Ref ref;
+  bool computed;                     // a computing op's output: the storage's new contents
 };
 
 struct Run {
@@ -101,18 +102,19 @@ inline double seconds_since(std::chrono::steady_clock::time_point start) {
 // `pooled` says whether its storage is the pool's.
 at::Tensor empty_like_meta(const Meta& meta, bool& pooled);
 
-// End a thread's run (run_end.cpp): a deferred one fused, replayed for a trial or handed to
-// Python's engine; a cold one counted.
+// End a thread's run (run_end.cpp): a deferred one fused, replayed for a trial, handed to
+// Python's engine, or replayed where no kernel fits and left going on along the cold plans'
+// path of the same calls (Note [Divergence in C++]); a cold one counted.
 void end_run(Run& current);
 
 // Counts since take_counts (hot_path.cpp defines them).
-extern std::atomic<int64_t> g_ops_deferred, g_fused_runs, g_fused_ops, g_takeovers;
+extern std::atomic<int64_t> g_ops_deferred, g_fused_runs, g_fused_ops, g_divergences;
 extern std::atomic<int64_t> g_cold_runs, g_cold_ops, g_cold_misses, g_direct_runs;
 extern std::atomic<int64_t> g_per_op_ops;
 
 // Python's callbacks (set_hot_callbacks).
 extern PyObject* g_launch;        // launch(handle, inputs, buffers, seconds) -> Launched
-extern PyObject* g_takeover;      // takeover(segment, depth, inputs, outputs)
+extern PyObject* g_takeover;      // takeover(segment, depth, inputs, outputs, cold timing)
 extern PyObject* g_harvest;       // harvest(): take the plans' counts
 extern PyObject* g_ran_per_op;    // ran_per_op(handle, seconds): a trial's per-op run
 // A thread harvests after this many runs Python did not see, or this much of their wall

@@ -74,14 +74,21 @@ const Plan* plan_for(const Node& node, const std::vector<Ref>& live) {
   return superset;
 }
 
-bool inputs_share_memory(const std::vector<at::Tensor>& inputs) {
+// Does an input the plan writes share memory with another input? (runtime/fused_runs.py,
+// _written_inputs_shared: the kernel would not see its own write through the other.)
+bool written_inputs_shared(const Plan& plan, const std::vector<at::Tensor>& inputs) {
+  if (plan.written_inputs.empty()) return false;
   bool any_view = false;
   for (const auto& t : inputs) any_view = any_view || t.is_view();
   if (!any_view) return false;
-  std::vector<const void*> storages;
-  for (const auto& t : inputs) storages.push_back(t.storage().unsafeGetStorageImpl());
-  std::sort(storages.begin(), storages.end());
-  return std::adjacent_find(storages.begin(), storages.end()) != storages.end();
+  for (int32_t written : plan.written_inputs) {
+    const c10::StorageImpl* storage = inputs.at(written).storage().unsafeGetStorageImpl();
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (static_cast<int32_t>(i) != written &&
+          inputs[i].storage().unsafeGetStorageImpl() == storage)
+        return true;
+  }
+  return false;
 }
 
 py::list tensor_list(const std::vector<at::Tensor>& tensors) {
@@ -212,11 +219,14 @@ at::Tensor output_for_python(const Run& run, const Plan& plan, Ref ref) {
   return at::Tensor();
 }
 
-// Hand the run to Python's engine (see the Note): it replays or finishes it.
+// Hand the run to Python's engine (see the Note): it replays or finishes a deferred run; a
+// cold run's ops ran already, and Python records on from them (Note [Cold plans]).
 void take_over(Run& run) {
-  g_takeovers.fetch_add(1, std::memory_order_relaxed);
   const Node& node = *run.node;
   std::shared_ptr<const Trie> keep = run.trie;     // the plan (and its segment) stay alive
+  const bool cold = run.cold;
+  const double wall_s = seconds_since(run.started);
+  const double compute_s = run.compute_s, extern_s = run.extern_s;
   py::gil_scoped_acquire gil;
   py::object inputs = tensor_list(run.inputs);
   py::list outputs(run.first_output.size());
@@ -231,8 +241,11 @@ void take_over(Run& run) {
     outputs[i] = flat;
   }
   run.clear();                 // Python alone holds them now: its weakrefs judge liveness
-  PyObject* result = PyObject_CallFunction(g_takeover, "OiOO", node.any_plan->segment->obj,
-                                           node.depth, inputs.ptr(), outputs.ptr());
+  py::object timing = py::none();
+  if (cold) timing = py::make_tuple(wall_s, compute_s, extern_s);
+  PyObject* result = PyObject_CallFunction(g_takeover, "OiOOO", node.any_plan->segment->obj,
+                                           node.depth, inputs.ptr(), outputs.ptr(),
+                                           timing.ptr());
   if (result == nullptr) throw py::error_already_set();
   Py_DECREF(result);
 }
@@ -268,24 +281,32 @@ void count_for_harvest(double wall_s) {
     harvest();
 }
 
-// Count the run against its plan, or as a miss of the path (Note [Cold plans]).
+// Count the run against its plan (Note [Cold plans]). A run that ends elsewhere (stops short
+// of its path's plans, or ends with other outputs live) is another segment that shares the
+// path's first ops: Python records on from the ops that ran (take_over), so that segment gets
+// its own key and plan instead of running unseen, and the plan at the node counts a miss.
 void end_cold_run(Run& run) {
-  double wall_s = seconds_since(run.started);
   const Plan* plan = cold_plan_for(run);
-  const Plan* charged = plan != nullptr ? plan : run.node->any_plan;
-  {
-    std::lock_guard<std::mutex> lock(charged->counts_mutex);
-    PlanCounts& counts = charged->counts;
-    if (plan != nullptr) {
-      counts.runs += 1;
-      counts.wall_s += wall_s;
-      counts.compute_s = std::min(counts.compute_s, run.compute_s);
-      counts.fusible_s = std::min(counts.fusible_s, run.compute_s - run.extern_s);
-    } else {
-      counts.misses += 1;
+  if (plan == nullptr) {
+    if (!run.node->plans.empty()) {
+      const Plan* missed = run.node->plans.front();
+      std::lock_guard<std::mutex> lock(missed->counts_mutex);
+      missed->counts.misses += 1;
     }
+    g_cold_misses.fetch_add(1, std::memory_order_relaxed);
+    c10::impl::ExcludeDispatchKeyGuard guard(kHidden);
+    return take_over(run);
   }
-  (plan != nullptr ? g_cold_runs : g_cold_misses).fetch_add(1, std::memory_order_relaxed);
+  double wall_s = seconds_since(run.started);
+  {
+    std::lock_guard<std::mutex> lock(plan->counts_mutex);
+    PlanCounts& counts = plan->counts;
+    counts.runs += 1;
+    counts.wall_s += wall_s;
+    counts.compute_s = std::min(counts.compute_s, run.compute_s);
+    counts.fusible_s = std::min(counts.fusible_s, run.compute_s - run.extern_s);
+  }
+  g_cold_runs.fetch_add(1, std::memory_order_relaxed);
   run.clear();
   count_for_harvest(wall_s);
 }
@@ -307,6 +328,54 @@ struct Ending {
   }
 };
 
+// Note [Divergence in C++]
+// A deferred run that ends where no kernel fits (the program went on with other ops, or kept
+// other outputs) used to be handed to Python's engine, which replayed its ops and recorded
+// the rest of the segment at ~20-50 us an op: every step, where a kernel's path shares its
+// first ops with a segment that has no kernel (the layers of a model's backward). Its ops
+// are replayed here instead (into the outputs the program holds, as a kernel's trial runs
+// them), and the run goes on as a cold run along the cold plans' path of the same calls,
+// where the next op may follow it (or, if none does, Python records on from there: a cold
+// run's take_over). With no such path the run is still Python's to replay: its trie may go
+// on along a kernel that C++ does not run yet (one whose first fused run, on probation, is
+// to come through Python's engine: native_plans.offer).
+const Node* same_path_among_cold_plans(const Run& run) {
+  const Plan& plan = *run.node->any_plan;
+  const Node* node = root_for(run.trie->cold_roots, plan.context);
+  for (int i = 0; node != nullptr && i < run.node->depth; ++i) {
+    const Node* next = nullptr;
+    for (const auto& child : node->children)
+      if (same_call(*child->spec, plan.ops[i])) {
+        next = child.get();
+        break;
+      }
+    node = next;
+  }
+  return node;
+}
+
+void go_on_cold(Run& run, Run& current) {
+  const Node* cold_node = same_path_among_cold_plans(run);
+  if (cold_node == nullptr) return take_over(run);   // Python's trie may go on to a kernel
+  g_divergences.fetch_add(1, std::memory_order_relaxed);
+  const Plan& plan = *run.node->any_plan;
+  std::vector<std::pair<Ref, at::Tensor>> targets;
+  std::vector<at::Tensor> written;
+  for (Ref ref : live_refs(run)) {
+    targets.emplace_back(ref, buffer_for(run, plan, ref));
+    written.push_back(targets.back().second);
+  }
+  {
+    KeepVersions versions(run.inputs, written);   // eager bumped them when they were deferred
+    run.compute_s = replay_per_op(plan, run.node->depth, run.inputs, targets);
+  }
+  g_per_op_ops.fetch_add(run.node->depth, std::memory_order_relaxed);
+  run.cold = true;
+  run.extern_s = 0.0;
+  run.node = cold_node;
+  std::swap(run, current);          // the thread's run again (`run` is cleared when ended)
+}
+
 }  // namespace
 
 void end_run(Run& current) {
@@ -320,7 +389,7 @@ void end_run(Run& current) {
   c10::impl::ExcludeDispatchKeyGuard guard(kHidden);
   if (run.node->depth == 0) return;
   const Plan* plan = plan_for(*run.node, live_refs(run));
-  if (plan != nullptr && !(plan->mutates && inputs_share_memory(run.inputs))) {
+  if (plan != nullptr && !written_inputs_shared(*plan, run.inputs)) {
     switch (launch(run, *plan)) {
       case Launched::Fused:
         g_fused_runs.fetch_add(1, std::memory_order_relaxed);
@@ -332,6 +401,7 @@ void end_run(Run& current) {
         break;
     }
   }
+  if (plan == nullptr) return go_on_cold(run, current);
   take_over(run);
 }
 

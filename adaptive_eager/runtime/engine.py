@@ -260,8 +260,8 @@ class Runtime(FusedRuns, Pausing):
             return
         if self._native_run_pending():
             with self._lock, below_autograd():
-                self.native.end_run()          # fused, or now ours (adopt_native_run)
-        elif end_segment and self._native_cold_run():
+                self.native.end_run()          # fused, now ours (adopt_native_run), or cold
+        if end_segment and self._native_cold_run():
             with self._lock:
                 self.native.end_run()          # counted: its ops ran already
         if self._hot is None and not (end_segment and self._builder):
@@ -298,6 +298,9 @@ class Runtime(FusedRuns, Pausing):
                 native_plans.pass_when_idle(self.native, func,
                                             getattr(op_class.reason, "value", op_class.reason))
             return self._run_boundary(func, args, kwargs, op_class.reason)
+        if self._builder is not None and len(self._builder) >= self._max_ops:
+            self._end_segment()                # full: the op may begin the next segment
+            return self._restart(func, op_class, args, kwargs)
         builder = self._current_builder()
         known_inputs = len(builder.inputs)
         try:
@@ -411,13 +414,16 @@ class Runtime(FusedRuns, Pausing):
         """The extension ran ``variant``'s kernel ``runs`` times (native_plans)."""
         self._watch_kernel(variant, runs)
 
-    def adopt_native_run(self, segment, depth: int, inputs: list, outputs: list) -> None:
+    def adopt_native_run(self, segment, depth: int, inputs: list, outputs: list,
+                         cold_timing: tuple | None = None) -> None:
         """Note [The C++ hot path]: a deferred run the extension cannot end fused becomes
         this engine's own, as if it had deferred the first ``depth`` ops of ``segment``
         itself; the op at hand then comes here as any op does (it may go on along the trie,
-        or end the run: fused, or replayed and recorded on). ``outputs`` (each op's flat
-        outputs, None where dead) is emptied, so only the user's references keep them alive
-        (Note [Liveness] in runtime/segment.py)."""
+        or end the run: fused, or replayed and recorded on). A cold run (Note [Cold plans]),
+        whose ops ran already, ``cold_timing`` its (wall, compute, extern) seconds, becomes
+        this engine's recording, as if it had recorded those ops itself. ``outputs`` (each
+        op's flat outputs, None where dead) is emptied, so only the user's references keep
+        them alive (Note [Liveness] in runtime/segment.py)."""
         with self._lock:
             records = segment.ops[:depth]
             builder = SegmentBuilder(segment.context, self.unseen_copies)
@@ -426,7 +432,12 @@ class Runtime(FusedRuns, Pausing):
             for index, record in enumerate(records):
                 builder.append(record, tuple(outputs[index]))
             outputs.clear()
-            node = self.table.trie.node_at(segment.context, records)
             self._builder = builder
-            self._hot = node if node is not None else TrieNode(records[-1])
+            if cold_timing is not None:
+                wall_s, builder.compute_seconds, builder.extern_seconds = cold_timing
+                builder.started -= wall_s
+                self._hot = None
+            else:
+                node = self.table.trie.node_at(segment.context, records)
+                self._hot = node if node is not None else TrieNode(records[-1])
         self._sync_native_open()

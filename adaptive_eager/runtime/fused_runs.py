@@ -75,7 +75,7 @@ class FusedRuns:
             counters.fallback("divergence")
             decide("divergence", key=_first_variant_digest(node), at_op=len(builder))
             return None
-        if variant.mutates and _inputs_share_memory(builder.inputs):
+        if _written_inputs_shared(builder.inputs, variant.segment.written_inputs):
             counters.fallback("aliased_inputs")
             return None
         return variant
@@ -136,16 +136,18 @@ def no_autocast() -> Iterator[None]:
         yield
 
 
-def _inputs_share_memory(inputs: list) -> bool:
-    """Do two distinct inputs share storage (a view and its base, two overlapping views)?
+def _written_inputs_shared(inputs: list, written: frozenset) -> bool:
+    """Does an input the kernel writes share memory with another input (a view and its base,
+    two overlapping views)?
 
-    A kernel treats inputs as independent, so an in-place write through one would not be seen
-    through the other as it is in eager. Only views can share storage with another tensor, so
-    segments whose inputs are no views pay nothing but ``_is_view()`` calls."""
-    if not any(t._is_view() for t in inputs):
+    A kernel treats inputs as independent, so its write through one would not be seen through
+    the other as it is in eager. Only views can share storage with another tensor, so
+    segments whose inputs are no views pay nothing but ``_is_view()`` calls; inputs that are
+    only read may share memory (the query, key and value views of one projection)."""
+    if not written or not any(t._is_view() for t in inputs):
         return False
     storages = [raw_untyped_storage(t).data_ptr() for t in inputs]
-    return len(set(storages)) < len(storages)
+    return any(storages.count(storages[index]) > 1 for index in written)
 
 
 def _run_kernel(kernel, inputs: list, buffers: list) -> None:

@@ -204,13 +204,16 @@ def publish_counts() -> None:
     ext = native.loaded()
     if ext is None:
         return
-    deferred, fused_runs, fused_ops, _, cold_ops, cold_runs, cold_misses, direct, \
+    deferred, fused_runs, fused_ops, divergences, cold_ops, cold_runs, cold_misses, direct, \
         replayed = ext.take_counts()
     counters.add("ops_seen", deferred + cold_ops)
     counters.add("per_op_executions", cold_ops + replayed)
     counters.add("native_cold_runs", cold_runs)
     if cold_misses:
         counters.fallback("cold_plan_missed", cold_misses)
+    if divergences:                  # Note [Divergence in C++] (csrc/run_end.cpp)
+        counters.add("divergences", divergences)
+        counters.fallback("divergence", divergences)
     counters.add("fused_executions", fused_runs)
     counters.add("native_fused_executions", fused_runs)
     counters.add("native_direct_executions", direct)
@@ -290,9 +293,9 @@ def _call_from_cpp(variant) -> None:
         log.debug("decision=direct_refused key=%s reason=%s", variant.entry.digest, refused)
 
 
-def _takeover(segment, depth: int, inputs: list, outputs: list) -> None:
+def _takeover(segment, depth: int, inputs: list, outputs: list, cold_timing) -> None:
     runtime = interceptors.current_runtime()
-    runtime.adopt_native_run(segment, depth, inputs, outputs)
+    runtime.adopt_native_run(segment, depth, inputs, outputs, cold_timing)
 
 
 def _harvest() -> None:
@@ -362,10 +365,12 @@ def _set_callbacks(ext) -> None:
 # ---------------------------------------------------------------- a segment as plain data
 
 def _plan(segment, node_ids: list, mutates: bool) -> tuple:
-    """(context, ops, live refs, final results, mutates): plan_add's arguments."""
+    """(context, ops, live refs, final results, mutates, written inputs): plan_add's
+    arguments."""
     ops = [_op_spec(record, node_id) for record, node_id in zip(segment.ops, node_ids)]
     live = [_out_ref(ref) for ref in segment.live_refs]
-    return (_context(segment.context), ops, live, _final_results(segment), mutates)
+    return (_context(segment.context), ops, live, _final_results(segment), mutates,
+            sorted(segment.written_inputs))
 
 
 def _context(context: tuple) -> tuple:

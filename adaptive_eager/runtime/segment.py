@@ -120,6 +120,32 @@ class Segment:
         """Ops that do arithmetic (not views): what fusion can save."""
         return sum(op.kind is not OpKind.VIEW for op in self.ops)
 
+    @functools.cached_property
+    def written_inputs(self) -> frozenset:
+        """The external inputs whose memory an in-place op of the segment writes, directly or
+        through a view made in the segment (fused_runs: another input on that memory)."""
+        written = set()
+        for op in self.ops:
+            if op.kind is OpKind.MUTATING:
+                for position, name in op.op_class.returned_args + op.op_class.written_lists:
+                    encoded = op.args[position] if position < len(op.args) else \
+                        dict(op.kwargs).get(name)
+                    items = encoded if type(encoded) is tuple else (encoded,)
+                    written.update(self._input_under(item.ref) for item in items
+                                   if type(item) is TensorArg)
+        written.discard(None)
+        return frozenset(written)
+
+    def _input_under(self, ref: Ref) -> int | None:
+        """The external input whose memory ``ref`` is (through views), or None (new memory)."""
+        while ref[0] != "in":
+            op = self.ops[ref[1]]
+            base = next((arg for arg in op.args if type(arg) is TensorArg), None)
+            if op.kind is not OpKind.VIEW or base is None:
+                return None
+            ref = base.ref
+        return ref[1]
+
     def out_meta(self, ref: Ref) -> TensorMeta:
         _, op_index, out_index = ref
         return self.ops[op_index].out_metas[out_index]

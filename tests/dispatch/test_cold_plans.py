@@ -3,6 +3,8 @@ twice, C++ runs its ops per-op and counts its runs; the key table goes on as if 
 recorded each. Plain eager is the oracle: a cold run computes exactly what eager does, with
 the same version counters and autograd graph.
 """
+import copy
+
 import pytest
 import torch
 
@@ -194,3 +196,97 @@ def test_a_bare_loop_of_keys_that_never_pay_pauses_from_a_harvest():
         assert ae.stats().segments_recorded == 2
     for out in outs:
         assert_equal(out, step(x, w), bitwise=True)
+
+
+def _sin_then(last):
+    def segment(x, w):
+        return last((x * w + 1.0).sin())
+    return segment
+
+
+def _entry_ending_with(func):
+    [entry] = [e for e in engine.shared_table().entries() if e.segment.ops[-1].func is func]
+    return entry
+
+
+def test_a_run_that_leaves_a_plan_s_path_is_recorded_on_by_python():
+    """Two segments share their first ops, as a model's layers do in backward. A cold run
+    along the first's path that turns out to be the second is Python's recording from the
+    ops that ran (Note [Cold plans]): the second gets its own key and plan, and both then run
+    in C++. (They used to run unseen up to where they part: the second had no key.)"""
+    first, second = _sin_then(torch.cos), _sin_then(torch.exp)
+    x, w = torch.randn(256), torch.randn(256)
+    with config.patch(COMPILE=False), ae.enabled():
+        for _ in range(3):
+            first(x, w)
+        pairs = [(first(x, w), second(x, w)) for _ in range(60)]
+        ae.sync()
+        recorded = ae.stats().segments_recorded
+        pairs += [(first(x, w), second(x, w)) for _ in range(20)]
+        ae.sync()
+        stats = ae.stats()
+        firsts, seconds = _entry_ending_with(torch.ops.aten.cos.default), \
+            _entry_ending_with(torch.ops.aten.exp.default)
+    assert firsts.cold_plan is not None and seconds.cold_plan is not None
+    assert stats.segments_recorded == recorded, stats      # settled: C++ runs both
+    assert stats.native_cold_runs >= 120, stats
+    for a, b in pairs:
+        assert_equal(a, first(x, w), bitwise=True)
+        assert_equal(b, second(x, w), bitwise=True)
+
+
+def test_a_loss_whose_backward_passes_no_class_weights_runs_cold_in_cpp():
+    """``nll_loss_backward`` gets its ``weight=None`` from autograd as an undefined tensor,
+    which Python records as None: the plan must take one for the other, or the key's runs
+    all went back to Python."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    reference = copy.deepcopy(model)
+    x, target = torch.randn(8, 16), torch.randint(0, 4, (8,))
+
+    def train(net, steps):
+        for _ in range(steps):
+            net.zero_grad(set_to_none=False)
+            torch.nn.functional.cross_entropy(net(x), target).backward()
+
+    with config.patch(COMPILE=False), ae.enabled():
+        train(model, 5)
+        ae.sync()
+        recorded = ae.stats().segments_recorded
+        train(model, 20)
+        ae.sync()
+        stats = ae.stats()
+    train(reference, 25)
+    assert stats.segments_recorded == recorded, stats
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert_equal(got.grad, want.grad, bitwise=True)
+
+
+def test_a_run_that_leaves_a_kernel_s_path_goes_on_along_a_cold_plan_in_cpp():
+    """Note [Divergence in C++] (csrc/run_end.cpp): a kernel's path shares its first ops with
+    a segment that has no kernel. A run that parts from the kernel's path is replayed and
+    goes on along the other segment's cold plan in C++, instead of being replayed and
+    recorded on by Python every time."""
+    first, second = _sin_then(torch.cos), _sin_then(torch.exp)
+    x, w = torch.randn(256), torch.randn(256)
+    with config.patch(COMPILE=False), ae.enabled():     # the second's key, to keep uncompiled
+        second(x, w), second(x, w)
+        never = _entry_ending_with(torch.ops.aten.exp.default).digest
+    ae.reset()
+    with config.patch(DISABLE_KEYS=(never,)), ae.enabled():
+        for _ in range(4):
+            first(x, w)
+        for _ in range(3):
+            second(x, w)
+        ae.sync()
+        before = ae.stats()
+        pairs = [(first(x, w), second(x, w)) for _ in range(40)]
+        ae.sync()
+        after = ae.stats()
+    assert after.segments_recorded == before.segments_recorded, after
+    assert after.native_fused_executions - before.native_fused_executions >= 40, after
+    assert after.divergences - before.divergences >= 40, after
+    assert after.native_cold_runs - before.native_cold_runs >= 40, after
+    for a, b in pairs:
+        assert_equal(a, first(x, w), bitwise=True)
+        assert_equal(b, second(x, w), bitwise=True)
