@@ -188,19 +188,22 @@ Launched launch(Run& run, const Plan& plan) {
 }
 
 // Note [Side by side] (runtime/profit.py): a kernel on trial wants this run per-op, timed.
-void run_per_op(Run& run, const Plan& plan) {
+// The run's deferred ops replayed per-op into the outputs the program holds; their seconds.
+double replay_run(Run& run, const Plan& plan) {
   std::vector<std::pair<Ref, at::Tensor>> targets;
   std::vector<at::Tensor> written;
   for (Ref ref : live_refs(run)) {
     targets.emplace_back(ref, buffer_for(run, plan, ref));
     written.push_back(targets.back().second);
   }
-  double seconds;
-  {
-    KeepVersions versions(run.inputs, written);   // eager bumped them when they were deferred
-    seconds = replay_per_op(plan, run.node->depth, run.inputs, targets);
-  }
+  KeepVersions versions(run.inputs, written);   // eager bumped them when they were deferred
+  double seconds = replay_per_op(plan, run.node->depth, run.inputs, targets);
   g_per_op_ops.fetch_add(run.node->depth, std::memory_order_relaxed);
+  return seconds;
+}
+
+void run_per_op(Run& run, const Plan& plan) {
+  double seconds = replay_run(run, plan);
   py::gil_scoped_acquire gil;
   PyObject* result = PyObject_CallFunction(g_ran_per_op, "Ld",
                                            static_cast<long long>(plan.handle), seconds);
@@ -358,18 +361,7 @@ void go_on_cold(Run& run, Run& current) {
   const Node* cold_node = same_path_among_cold_plans(run);
   if (cold_node == nullptr) return take_over(run);   // Python's trie may go on to a kernel
   g_divergences.fetch_add(1, std::memory_order_relaxed);
-  const Plan& plan = *run.node->any_plan;
-  std::vector<std::pair<Ref, at::Tensor>> targets;
-  std::vector<at::Tensor> written;
-  for (Ref ref : live_refs(run)) {
-    targets.emplace_back(ref, buffer_for(run, plan, ref));
-    written.push_back(targets.back().second);
-  }
-  {
-    KeepVersions versions(run.inputs, written);   // eager bumped them when they were deferred
-    run.compute_s = replay_per_op(plan, run.node->depth, run.inputs, targets);
-  }
-  g_per_op_ops.fetch_add(run.node->depth, std::memory_order_relaxed);
+  run.compute_s = replay_run(run, *run.node->any_plan);
   run.cold = true;
   run.extern_s = 0.0;
   run.node = cold_node;
