@@ -182,7 +182,14 @@ std::optional<Ref> ref_of(Run& run, const at::Tensor& t, const Pending& pending)
       if (place->layout == *layout) return place->ref;
       if (place->computed) break;
     }
-    if (on_output) return std::nullopt;   // other memory of an output, made by no op
+    // Other memory of an output, made by no op; unless the output was a view of an input,
+    // whose memory is the input's (Python: SegmentBuilder._unseen_alias).
+    if (on_output) {
+      for (const at::Tensor& input : run.inputs)
+        if (input.has_storage() && input.storage().unsafeGetStorageImpl() == storage)
+          return Ref{-2, 0};
+      return std::nullopt;
+    }
   }
   return Ref{-2, 0};          // new
 }
@@ -381,13 +388,81 @@ bool advance(Run& run, const c10::OperatorHandle& op, DispatchKeySet ks,
   return false;
 }
 
+// ------------------------------------------------------------------ ops aside
+
+std::atomic<int64_t> g_aside_ops{0};
+
+// Note [Ops aside] (runtime/aside.py): the tensors among an op's arguments; false if one is
+// not a plain strided tensor.
+bool tensors_of(const c10::OperatorHandle& op, const torch::jit::Stack* stack,
+                c10::SmallVector<const at::Tensor*, 8>& tensors) {
+  for (const IValue& value : torch::jit::last(*stack, op.schema().arguments().size())) {
+    auto take = [&](const at::Tensor& t) {
+      if (!t.defined()) return true;
+      if (t.layout() != c10::kStrided || t.is_quantized() ||
+          t.unsafeGetTensorImpl()->is_python_dispatch() || !t.has_storage())
+        return false;
+      tensors.push_back(&t);
+      return true;
+    };
+    if (value.isTensor()) {
+      if (!take(value.toTensor())) return false;
+    } else if (value.isTensorList() || value.isList()) {
+      for (const IValue& item : value.toListRef())
+        if (item.isTensor() && !take(item.toTensor())) return false;
+    }
+  }
+  return true;
+}
+
+bool cpu_scalars(const c10::SmallVector<const at::Tensor*, 8>& tensors) {
+  if (tensors.empty()) return false;
+  for (const at::Tensor* t : tensors)
+    if (t->dim() != 0 || !t->is_cpu()) return false;
+  return true;
+}
+
+bool touches(const Run& run, const at::Tensor& t) {
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  for (const at::Tensor& input : run.inputs)
+    if (input.has_storage() && input.storage().unsafeGetStorageImpl() == storage) return true;
+  for (const Placed& place : run.placed)
+    if (place.storage == storage) return true;
+  return false;
+}
+
+// May this op, which matched none of the run's next ops, run now with the run going on? If
+// so it is counted: as a host sync where Python named it one, else as an op aside.
+bool runs_aside(const Run& run, const c10::OperatorHandle& op, const torch::jit::Stack* stack) {
+  c10::SmallVector<const at::Tensor*, 8> tensors;
+  if (!tensors_of(op, stack, tensors) || tensors.empty()) return false;
+  const int sync_slot = host_sync_slot(op);
+  if (sync_slot < 0 && !cpu_scalars(tensors)) return false;
+  for (const at::Tensor* t : tensors)
+    if (touches(run, *t)) return false;
+  if (sync_slot >= 0) count_idle_run(sync_slot);
+  else g_aside_ops.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 }  // namespace
+
+bool aside_when_idle(const c10::OperatorHandle& op, const torch::jit::Stack* stack) {
+  c10::SmallVector<const at::Tensor*, 8> tensors;
+  if (!tensors_of(op, stack, tensors) || !cpu_scalars(tensors)) return false;
+  g_aside_ops.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
 
 bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
   if (!t_hot || g_off.load(std::memory_order_relaxed)) return false;
   Run& run = t_run;
   if (run.node != nullptr) {
     if (advance(run, op, ks, stack)) return true;
+    if (runs_aside(run, op, stack)) {    // Note [Ops aside]: the run goes on
+      run_as_eager(op, ks, stack);
+      return true;
+    }
     end_run(run);                  // fused, or Python's now (which may open its segment),
     if (run.node != nullptr) {     // or replayed and on a cold plan's path
       if (advance(run, op, ks, stack)) return true;
@@ -467,9 +542,10 @@ void define_hot_path(py::module& m) {
                           g_fused_ops.exchange(0), g_divergences.exchange(0),
                           g_cold_ops.exchange(0), g_cold_runs.exchange(0),
                           g_cold_misses.exchange(0), g_direct_runs.exchange(0),
-                          g_per_op_ops.exchange(0));
+                          g_per_op_ops.exchange(0), g_aside_ops.exchange(0));
   }, "(ops deferred, fused runs, fused ops, divergences, cold ops, cold runs, cold misses, "
-     "direct launches, ops replayed for trials) since the last call.");
+     "direct launches, ops replayed for trials, ops run aside: Note [Ops aside]) since the "
+     "last call.");
 }
 
 }  // namespace adaptive_eager

@@ -18,6 +18,18 @@ bool thread_paused();
 // of its own (Note [Boundaries passed when idle] in intercept.cpp)?
 bool thread_idle();
 
+// Note [Ops aside] (runtime/aside.py). The slot of a host sync Python named (pass_when_idle),
+// or -1; count_idle_run counts a run of it, as Python counts its own.
+int host_sync_slot(const c10::OperatorHandle& op);
+void count_idle_run(int slot);
+
+// Is it an op of 0-dim CPU tensors only, run as it comes on a thread with nothing open
+// (counted)?
+bool aside_when_idle(const c10::OperatorHandle& op, const torch::jit::Stack* stack);
+
+// Run the op below the interception, as eager would.
+void run_as_eager(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
 // Is Python's answer to an op "a segment just ended at it: try your hot path, then ask me
 // again" (the stack is untouched)?
 bool is_retry(PyObject* answer);

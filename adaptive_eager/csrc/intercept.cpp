@@ -163,26 +163,32 @@ bool call_python(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 constexpr int kMaxIdleOps = 128;
 std::array<std::atomic<const c10::FunctionSchema*>, kMaxIdleOps> g_idle_ops{};
 std::array<std::atomic<int64_t>, kMaxIdleOps> g_idle_runs{};
+std::array<std::atomic<bool>, kMaxIdleOps> g_idle_host_sync{};   // reads a value back
 std::atomic<int> g_idle_count{0};   // written under the GIL, read by any thread
 
-bool passed_when_idle(const c10::OperatorHandle& op) {
+// The op's slot, or -1.
+int idle_slot(const c10::OperatorHandle& op) {
   const c10::FunctionSchema* schema = &op.schema();
   const int count = g_idle_count.load(std::memory_order_acquire);
-  for (int i = 0; i < count; ++i) {
-    if (g_idle_ops[i].load(std::memory_order_relaxed) == schema) {
-      g_idle_runs[i].fetch_add(1, std::memory_order_relaxed);
-      return true;
-    }
-  }
-  return false;
+  for (int i = 0; i < count; ++i)
+    if (g_idle_ops[i].load(std::memory_order_relaxed) == schema) return i;
+  return -1;
+}
+
+bool passed_when_idle(const c10::OperatorHandle& op) {
+  const int slot = idle_slot(op);
+  if (slot < 0) return false;
+  g_idle_runs[slot].fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 // The op's slot (its counts' index in take_idle_counts), or -1: unknown, or the table is full.
-int add_idle_op(const std::string& name, const std::string& overload) {
+int add_idle_op(const std::string& name, const std::string& overload, bool host_sync) {
   auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
   const int count = g_idle_count.load(std::memory_order_relaxed);
   if (!handle || count >= kMaxIdleOps) return -1;
   g_idle_ops[count].store(&handle->schema(), std::memory_order_relaxed);
+  g_idle_host_sync[count].store(host_sync, std::memory_order_relaxed);
   g_idle_count.store(count + 1, std::memory_order_release);
   return count;
 }
@@ -212,7 +218,9 @@ void fallback(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stac
   for (int attempt = 0; attempt < 2; ++attempt) {
     if (adaptive_eager::hot_path_op(op, ks, stack)) return;
     if (t_paused) return pass_through(op, ks, stack);
-    if (adaptive_eager::thread_idle() && passed_when_idle(op)) return pass_through(op, ks, stack);
+    if (adaptive_eager::thread_idle() &&
+        (passed_when_idle(op) || adaptive_eager::aside_when_idle(op, stack)))
+      return pass_through(op, ks, stack);
     if (call_python(op, stack)) return;
   }
   TORCH_CHECK(false, "adaptive_eager: ", op.schema().name(), " was sent back twice");
@@ -236,6 +244,20 @@ std::string install() {
 }  // namespace
 
 bool adaptive_eager::thread_paused() { return t_paused; }
+
+int adaptive_eager::host_sync_slot(const c10::OperatorHandle& op) {
+  const int slot = idle_slot(op);
+  return slot >= 0 && g_idle_host_sync[slot].load(std::memory_order_relaxed) ? slot : -1;
+}
+
+void adaptive_eager::count_idle_run(int slot) {
+  g_idle_runs[slot].fetch_add(1, std::memory_order_relaxed);
+}
+
+void adaptive_eager::run_as_eager(const c10::OperatorHandle& op, DispatchKeySet ks,
+                                  torch::jit::Stack* stack) {
+  pass_through(op, ks, stack);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "adaptive_eager's C++ interception backend (Note [The Fake key])";
@@ -264,8 +286,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "Pass this thread's ops straight through (asking should_resume now and then).");
   m.def("is_paused", [] { return t_paused; });
   m.def("pass_when_idle", &add_idle_op,
-        "Run this op (name, overload) straight through on a thread with no segment open "
-        "(Note [Boundaries passed when idle]): its slot, or -1 if unknown or the table is full.");
+        "Run this op (name, overload, is it a host sync) straight through on a thread with no "
+        "segment open (Note [Boundaries passed when idle]); a host sync also inside a run, where "
+        "it reads nothing the run touches (Note [Ops aside]): its slot, or -1 if unknown or the "
+        "table is full.");
   m.def("take_idle_counts", &take_idle_counts,
         "Runs of each pass_when_idle slot since the last call.");
   adaptive_eager::define_hot_path(m);

@@ -45,6 +45,7 @@ from adaptive_eager.runtime import clock
 from adaptive_eager.runtime.buffers import BufferPool
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime import native_plans
+from adaptive_eager.runtime.aside import runs_aside
 from adaptive_eager.runtime.fused_runs import FusedRuns, no_autocast
 from adaptive_eager.runtime.pausing import MOST_INTERCEPTION_S_PER_OP, Pausing
 from adaptive_eager.runtime.policy import KeyTable
@@ -293,6 +294,8 @@ class Runtime(FusedRuns, Pausing):
     # ---------------------------------------------------------------- dispatch
 
     def _dispatch(self, func, op_class: OpClass, args: tuple, kwargs: dict) -> Any:
+        if runs_aside(op_class, args, kwargs, self._builder):
+            return self._run_aside(func, op_class, args, kwargs)
         if op_class.kind is OpKind.BOUNDARY:
             if self.native is not None:
                 native_plans.pass_when_idle(self.native, func,
@@ -347,6 +350,18 @@ class Runtime(FusedRuns, Pausing):
         if builder is None:
             builder = self._builder = SegmentBuilder(key_context(), self.unseen_copies)
         return builder
+
+    def _run_aside(self, func, op_class: OpClass, args: tuple, kwargs: dict) -> Any:
+        """Note [Ops aside] (runtime/aside.py): run it now; the segment goes on."""
+        if op_class.kind is OpKind.BOUNDARY:
+            if self.native is not None:
+                native_plans.pass_when_idle(self.native, func, op_class.reason.value)
+            _count_fallback(func, op_class.reason.value)
+        out = func(*args, **kwargs)
+        if op_class.written_lists:
+            _bump_versions(op_class, args, kwargs)
+        self._per_op += 1
+        return out
 
     def _run_boundary(self, func, args: tuple, kwargs: dict, reason: Reason) -> Any:
         self._end_segment()

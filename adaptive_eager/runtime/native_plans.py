@@ -22,7 +22,7 @@ import torch
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import interceptor as interceptors
 from adaptive_eager.dispatch import native, upcalls
-from adaptive_eager.dispatch.ops import OpKind, boundary_whatever_the_arguments
+from adaptive_eager.dispatch.ops import OpKind, Reason, boundary_whatever_the_arguments
 from adaptive_eager.dispatch.signature import (KEY_CONTEXT_FIELDS, LiftedScalar, ScalarArg,
                                                TensorArg, decode)
 from adaptive_eager.runtime import clock
@@ -205,9 +205,9 @@ def publish_counts() -> None:
     if ext is None:
         return
     deferred, fused_runs, fused_ops, divergences, cold_ops, cold_runs, cold_misses, direct, \
-        replayed = ext.take_counts()
-    counters.add("ops_seen", deferred + cold_ops)
-    counters.add("per_op_executions", cold_ops + replayed)
+        replayed, aside = ext.take_counts()
+    counters.add("ops_seen", deferred + cold_ops + aside)
+    counters.add("per_op_executions", cold_ops + replayed + aside)   # (aside: runtime/aside.py)
     counters.add("native_cold_runs", cold_runs)
     if cold_misses:
         counters.fallback("cold_plan_missed", cold_misses)
@@ -350,7 +350,8 @@ def pass_when_idle(ext, func, reason: str) -> None:
     _named_when_idle.add(func)
     if boundary_whatever_the_arguments(func):
         with _lock:
-            if ext.pass_when_idle(func._schema.name, func._schema.overload_name) >= 0:
+            if ext.pass_when_idle(func._schema.name, func._schema.overload_name,
+                                  reason == Reason.HOST_SYNC.value) >= 0:
                 _idle_reasons.append(reason)
 
 

@@ -271,6 +271,8 @@ class SegmentBuilder:
             return None
         ref = entry[1].get(_layout(tensor))
         if ref is None:
+            if any(raw_untyped_storage(t)._cdata == storage._cdata for t in self.inputs):
+                return None     # other memory of an input (a view of it was an output): an input
             raise Unkeyable(Reason.UNSEEN_ALIAS, "a tensor on an output's memory made by no op")
         self._known[id(tensor)] = (weakref.ref(tensor), ref)
         return ref
@@ -331,6 +333,21 @@ class SegmentBuilder:
         entry[1].setdefault(_layout(tensor), ref)
         if whole:
             self._storages[ref] = entry[0]
+
+    def touches(self, tensors: list) -> bool:
+        """Does any of ``tensors`` share memory with an input or output of this segment
+        (Note [Ops aside] in runtime/aside.py)? Outputs that died count while their memory
+        is known to live on (Note [Shallow copies])."""
+        if not self.ops and not self.inputs:
+            return False
+        mine = {raw_untyped_storage(t)._cdata for t in self.inputs}
+        for wrefs in (self._outputs.values(), *self._views_of.values()):
+            for wref in wrefs:
+                tensor = wref()
+                if tensor is not None and tensor.layout is torch.strided:
+                    mine.add(raw_untyped_storage(tensor)._cdata)
+        mine.update(weak.cdata for weak in self._storages.values() if not weak.expired())
+        return any(raw_untyped_storage(t)._cdata in mine for t in tensors)
 
     def repeats(self, signature: tuple) -> bool:
         """Has a loop wrapped around? True if this exact call (same op, sources, scalars) is

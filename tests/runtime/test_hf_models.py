@@ -33,7 +33,10 @@ def _t5():
     return transformers.T5ForConditionalGeneration(config)
 
 
-def _train(model, ids, steps=4):
+STEPS = 6
+
+
+def _train(model, ids, steps=STEPS):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     losses = []
     for _ in range(steps):
@@ -59,4 +62,7 @@ def test_hf_model_training_equals_eager(make):
     for p, q in zip(model.parameters(), eager_model.parameters()):
         assert_equal(p, q)
         assert_equal(p.grad, q.grad)
-    assert ae.stats().fused_executions >= 10, ae.stats()
+    # At least a whole step's worth of ops ran fused (steps 1-2 record; a count of kernel
+    # runs would fall as segments grow longer).
+    stats = ae.stats()
+    assert stats.fused_ops >= stats.ops_seen // STEPS, stats
