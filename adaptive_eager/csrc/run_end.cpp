@@ -163,8 +163,10 @@ bool launch_direct(const Run& run, const Plan& plan, const DirectKernel& direct,
   return true;
 }
 
-// launch's answer (and Python's: native_plans._launch).
-enum class Launched { Refused = 0, Fused = 1, PerOp = 2 };
+// launch's answer (and Python's: native_plans._launch). Checked: a kernel's first run failed
+// its check, and the outputs hold the per-op results the check computed (Note [First runs
+// in C++] in runtime/first_runs.py).
+enum class Launched { Refused = 0, Fused = 1, PerOp = 2, Checked = 3 };
 
 Launched launch(Run& run, const Plan& plan) {
   std::vector<at::Tensor> buffers;
@@ -389,6 +391,9 @@ void end_run(Run& current) {
         return;
       case Launched::PerOp:
         return run_per_op(run, *plan);
+      case Launched::Checked:
+        g_per_op_ops.fetch_add(run.node->depth, std::memory_order_relaxed);
+        return;
       case Launched::Refused:
         break;
     }

@@ -421,6 +421,7 @@ class Runtime(FusedRuns, Pausing):
                                  len(builder) * MOST_INTERCEPTION_S_PER_OP)
             if self.native is not None:
                 native_plans.watch(entry, self.native)   # Note [Cold plans] (csrc/plans.cpp)
+                native_plans.offer_recorded(entry, self.table, self.native)
             self._watch(entry)
 
     # ---------------------------------------------------------------- the C++ hot path

@@ -100,7 +100,7 @@ class FusedRuns:
             return True
         seconds = clock.perf_counter() - builder.started
         if checker is not None and not checker.passes(buffers, builder.inputs):
-            self._reject(variant, checker, buffers, builder.inputs)
+            self.reject(variant, checker, buffers, builder.inputs)
             self._per_op += len(builder)
             return True
         variant.on_probation = False
@@ -114,7 +114,7 @@ class FusedRuns:
             native_plans.offer(variant, self.table.trie, self.native)
         return True
 
-    def _reject(self, variant, checker: Verification, buffers: list, inputs: list) -> None:
+    def reject(self, variant, checker: Verification, buffers: list, inputs: list) -> None:
         """A fused run computed something else than per-op: keep the per-op result, never run
         that kernel again (and raise, with VERIFY=strict)."""
         digest = variant.entry.digest

@@ -5,7 +5,9 @@ end, ``takeover`` for every run it cannot end fused, ``harvest`` now and then fo
 cold runs.
 
 A kernel is offered once its first fused run passed probation, unless VERIFY is on (its
-per-run check is Python's). Its
+per-run check is Python's); one whose runs never reach Python's engine deferred is offered
+on probation, and C++ makes its first run checked (Note [First runs in C++] in
+runtime/first_runs.py). Its
 segment goes to C++ as plain data: per op the operator, one spec per schema argument (a tensor
 by where it comes from and its layout, other values exactly, omitted ones as the schema's
 default) and what it returns; a segment whose calls C++ cannot compare stays on Python's hot
@@ -26,6 +28,7 @@ from adaptive_eager.dispatch.ops import OpKind, Reason, boundary_whatever_the_ar
 from adaptive_eager.dispatch.signature import (KEY_CONTEXT_FIELDS, LiftedScalar, ScalarArg,
                                                TensorArg, decode)
 from adaptive_eager.runtime import clock
+from adaptive_eager.runtime.first_runs import first_run
 from adaptive_eager.runtime.stats import counters
 
 log = logging.getLogger("adaptive_eager")
@@ -60,13 +63,15 @@ class Unsupported(Exception):
     """A call the C++ hot path cannot compare or reproduce."""
 
 
-def offer(variant, trie, ext) -> None:
+def offer(variant, trie, ext, on_probation: bool = False) -> None:
     """After a fused run of ``variant`` on the C++ backend: register it once its first run
-    passed probation. Its side-by-side trial (Note [Side by side] in runtime/profit.py) then
-    times the C++ path's fused runs: ``_launch`` hands the runs the trial wants per-op to
-    Python's engine, which replays and times them."""
+    passed probation (or, ``on_probation``, before it: Note [First runs in C++]). Its
+    side-by-side trial (Note [Side by side] in runtime/profit.py) then times the C++ path's
+    fused runs: ``_launch`` hands the runs the trial wants per-op to Python's engine, which
+    replays and times them."""
     entry = variant.entry
-    if variant.native_handle is not None or variant.on_probation or config.VERIFY != "off":
+    if variant.native_handle is not None or (variant.on_probation and not on_probation) or \
+            config.VERIFY != "off":
         return
     try:
         node_ids = trie.path_ids(variant.segment)
@@ -81,6 +86,18 @@ def offer(variant, trie, ext) -> None:
     variant.native_handle = REFUSED if refused else handle
     if refused:
         log.debug("decision=native_refused key=%s reason=%s", entry.digest, refused)
+
+
+def offer_recorded(entry, table, ext) -> None:
+    """Python recorded a segment of ``entry``'s key: if it has a kernel C++ does not run yet,
+    for want of a first run (Note [First runs in C++] in runtime/first_runs.py), offer it on
+    probation."""
+    from adaptive_eager.runtime.entries import KeyState    # (entries imports this module)
+    if entry.state is not KeyState.READY:      # (and a key seen once is never named)
+        return
+    variant = table.kernels.get(entry.digest)
+    if variant is not None and variant.native_handle is None and variant.on_probation:
+        offer(variant, table.trie, ext, on_probation=True)
 
 
 def hot_path_available() -> bool:
@@ -229,17 +246,21 @@ def publish_counts() -> None:
 
 # ---------------------------------------------------------------- the calls back from C++
 
-REFUSED_RUN, FUSED_RUN, PER_OP_RUN = 0, 1, 2     # _launch's answers (hot_path.cpp, Launched)
+# _launch's answers (run_end.cpp, Launched)
+REFUSED_RUN, FUSED_RUN, PER_OP_RUN, CHECKED_RUN = 0, 1, 2, 3
 
 
 def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> int:
     """Run a registered kernel at its segment's end (versions are kept by the caller).
     REFUSED_RUN: it is gone or failed (demoted), and the caller hands the run over;
-    PER_OP_RUN: its trial wants this run per-op (the caller runs it and calls _ran_per_op)."""
+    PER_OP_RUN: its trial wants this run per-op (the caller runs it and calls _ran_per_op);
+    CHECKED_RUN: a first run whose check failed, the outputs per-op's (first_run)."""
     variant = _variants.get(handle)
     runtime = interceptors.current_runtime()
     if variant is None or runtime is None:
         return REFUSED_RUN
+    if variant.on_probation:        # Note [First runs in C++] (runtime/first_runs.py)
+        return FUSED_RUN if first_run(variant, runtime, inputs, buffers, _call) else CHECKED_RUN
     judged = variant.entry.judged or config.KEEP_UNPROFITABLE
     if not judged and runtime.table.wants_eager_run(variant):
         # Note [Side by side]: timed beside the kernel's, in C++ (where a test states times,
@@ -247,12 +268,7 @@ def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> int:
         return PER_OP_RUN if clock.is_the_machines() else REFUSED_RUN
     started = clock.perf_counter()
     try:
-        if torch.autograd.profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu"):
-            from adaptive_eager.runtime.fused_runs import no_autocast, profiler_range
-            with profiler_range(variant), no_autocast():
-                variant.kernel(*inputs, *buffers)
-        else:
-            variant.kernel(*inputs, *buffers)
+        _call(variant, inputs, buffers)
     except Exception as err:  # a kernel that fails at run time is dropped, not fatal
         runtime.table.demote(variant, f"kernel_error: {type(err).__name__}: {err}")
         return REFUSED_RUN
@@ -268,6 +284,15 @@ def _launch(handle: int, inputs: list, buffers: list, waited_s: float) -> int:
         variant.untouched_runs = 0
     runtime.ran_native_kernel(variant)
     return FUSED_RUN
+
+
+def _call(variant, inputs: list, buffers: list) -> None:
+    if torch.autograd.profiler._is_profiler_enabled or torch.is_autocast_enabled("cpu"):
+        from adaptive_eager.runtime.fused_runs import no_autocast, profiler_range
+        with profiler_range(variant), no_autocast():
+            variant.kernel(*inputs, *buffers)
+    else:
+        variant.kernel(*inputs, *buffers)
 
 
 def _ran_per_op(handle: int, seconds: float) -> None:

@@ -12,6 +12,7 @@ import adaptive_eager as ae
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine, native_plans
 from adaptive_eager.runtime.entries import KeyState
+from adaptive_eager.testing import faults
 from helpers import assert_equal
 
 pytestmark = pytest.mark.usefixtures("cpp_extension")
@@ -287,6 +288,63 @@ def test_a_run_that_leaves_a_kernel_s_path_goes_on_along_a_cold_plan_in_cpp():
     assert after.native_fused_executions - before.native_fused_executions >= 40, after
     assert after.divergences - before.divergences >= 40, after
     assert after.native_cold_runs - before.native_cold_runs >= 40, after
+    for a, b in pairs:
+        assert_equal(a, first(x, w), bitwise=True)
+        assert_equal(b, second(x, w), bitwise=True)
+
+
+
+def _behind_a_cold_plan(first, second, x, w, steps: int = 40):
+    """``second``'s key compiled while ``first``'s, sharing its first ops, runs cold in C++
+    (kept uncompiled); then ``steps`` pairs of calls: (stats before, after, the pairs)."""
+    with config.patch(COMPILE=False), ae.enabled():
+        first(x, w), first(x, w)
+        never = _entry_ending_with(torch.ops.aten.cos.default).digest
+    ae.reset()
+    with config.patch(DISABLE_KEYS=(never,)), ae.enabled():
+        for _ in range(4):
+            first(x, w)                                 # a cold plan in C++
+        for _ in range(4):
+            first(x, w), second(x, w)                   # hot, compiled
+        ae.sync(wait_compiles=60)
+        before = ae.stats()
+        pairs = [(first(x, w), second(x, w)) for _ in range(steps)]
+        ae.sync()
+        return before, ae.stats(), pairs
+
+
+def test_a_kernel_whose_first_ops_a_cold_plan_shares_gets_its_first_run_in_cpp():
+    """Note [First runs in C++] (runtime/first_runs.py): a new kernel's first run is
+    checked. Where a cold plan shares its first ops (a model's backward: one layer's segment
+    has a kernel, the others' run cold), C++ starts a cold run there that parts from the plan
+    where the kernel's path goes on, and Python records on from ops that ran already. The
+    kernel's first run was left to Python's engine, which never deferred it: its key was
+    recorded per-op every time and never fused."""
+    first, second = _sin_then(torch.cos), _sin_then(torch.exp)
+    x, w = torch.randn(256), torch.randn(256)
+    before, after, pairs = _behind_a_cold_plan(first, second, x, w)
+    assert after.fused_executions - before.fused_executions >= 39, after
+    assert after.segments_recorded - before.segments_recorded <= 1, after
+    for a, b in pairs:
+        assert_equal(a, first(x, w), bitwise=True)
+        assert_equal(b, second(x, w), bitwise=True)
+
+
+@pytest.mark.parametrize("fault", ["wrong_arity", "wrong_values"])
+def test_a_broken_kernel_s_first_run_in_cpp_never_reaches_the_results(fault):
+    """The check of Note [Probation], made by C++'s launch: a kernel that raises or writes
+    garbage (into its inputs too) is demoted, and the run keeps per-op's results."""
+    first, second = _sin_then(torch.cos), _sin_then(torch.exp)
+    x, w = torch.randn(256), torch.randn(256)
+    expected_x, expected_w = x.clone(), w.clone()
+    with faults.inject(fault):
+        _, after, pairs = _behind_a_cold_plan(first, second, x, w, steps=5)
+    entry = _entry_ending_with(torch.ops.aten.exp.default)
+    reason = "kernel_error" if fault == "wrong_arity" else "kernel_mismatch"
+    assert entry.state is KeyState.FAILED and entry.reason.startswith(reason), entry.reason
+    assert after.fallbacks[reason] == 1 and after.fused_executions == 0, after
+    assert_equal(x, expected_x, bitwise=True)
+    assert_equal(w, expected_w, bitwise=True)
     for a, b in pairs:
         assert_equal(a, first(x, w), bitwise=True)
         assert_equal(b, second(x, w), bitwise=True)
