@@ -374,16 +374,43 @@ void run_cold(Run& run, const Node& node, const c10::OperatorHandle& op, Dispatc
   g_cold_ops.fetch_add(1, std::memory_order_relaxed);
 }
 
+// Note [Paths that lead nowhere]
+// A deferred run starts wherever an op is the first call of a kernel's path. Where other
+// segments share that call and part from the path later (a model's backward layers share
+// their first ops; keys recorded at shifted alignments share them too), each such run is
+// deferred, then replayed into the outputs the program holds (Note [Divergence in C++] in
+// run_end.cpp): allocations, copies and bookkeeping that eager never pays, every step. So a
+// path's first node counts the runs started there and the launches they ended in; once
+// kMinStarts runs started with fewer than one launch in kStartsPerLaunch, an op there no
+// longer starts a deferred run (it goes on along a cold plan, or to Python). One pass in
+// kReprobeEvery starts one anyway, and a launch forgives the excess of earlier starts, so
+// a path that pays again (the program changed phase) is taken again within that many passes.
+constexpr int64_t kMinStarts = 16, kReprobeEvery = 16;   // (kStartsPerLaunch: run.h)
+
+bool leads_nowhere(const Node& first) {
+  const int64_t starts = first.starts.load(std::memory_order_relaxed);
+  const int64_t launches = first.launches.load(std::memory_order_relaxed);
+  if (starts < kMinStarts || launches * kStartsPerLaunch >= starts) return false;
+  return first.passed.fetch_add(1, std::memory_order_relaxed) % kReprobeEvery != 0;
+}
+
 bool advance(Run& run, const c10::OperatorHandle& op, DispatchKeySet ks,
              torch::jit::Stack* stack) {
   Pending pending;
   for (const auto& child : run.node->children) {
     pending.clear();
-    if (call_matches(run, *child->spec, op, stack, pending)) {
-      if (run.cold) run_cold(run, *child, op, ks, stack, pending);
-      else defer(run, *child, op, ks, stack, pending);
+    if (!call_matches(run, *child->spec, op, stack, pending)) continue;
+    if (run.cold) {
+      run_cold(run, *child, op, ks, stack, pending);
       return true;
     }
+    if (run.node->depth == 0) {           // a deferred run would start here
+      if (leads_nowhere(*child)) continue;
+      child->starts.fetch_add(1, std::memory_order_relaxed);
+      run.first = child.get();
+    }
+    defer(run, *child, op, ks, stack, pending);
+    return true;
   }
   return false;
 }

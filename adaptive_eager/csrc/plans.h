@@ -148,6 +148,9 @@ struct Node {
   std::vector<const Plan*> plans;   // ending here
   const Plan* any_plan = nullptr;   // a plan through here (its path is this node's)
   int depth = 0;
+  // A kernel path's first call: deferred runs started here, and how many were launched
+  // (Note [Paths that lead nowhere] in hot_path.cpp).
+  mutable std::atomic<int64_t> starts{0}, launches{0}, passed{0};
 };
 
 using Roots = std::vector<std::pair<Context, std::unique_ptr<Node>>>;

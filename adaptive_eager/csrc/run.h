@@ -57,6 +57,7 @@ struct Placed {
 struct Run {
   std::shared_ptr<const Trie> trie;   // the snapshot the run walks (plans stay alive)
   const Node* node = nullptr;
+  const Node* first = nullptr;        // a deferred run's first node (where it started)
   bool cold = false;                  // on a cold plan's path: its ops run at once
   double compute_s = 0.0, extern_s = 0.0;   // cold: inside its ops, and extern ones
   std::vector<at::Tensor> inputs;
@@ -83,6 +84,7 @@ struct Run {
   void clear() {
     trie.reset();
     node = nullptr;
+    first = nullptr;
     inputs.clear();
     known.clear();
     outputs.clear();
@@ -101,6 +103,10 @@ inline double seconds_since(std::chrono::steady_clock::time_point start) {
 // An uninitialized tensor like `meta` (hot_path.cpp, from the pool where it is large);
 // `pooled` says whether its storage is the pool's.
 at::Tensor empty_like_meta(const Meta& meta, bool& pooled);
+
+// A kernel path's first node stops starting deferred runs below one launch in this many
+// runs started there (Note [Paths that lead nowhere] in hot_path.cpp).
+constexpr int64_t kStartsPerLaunch = 4;
 
 // End a thread's run (run_end.cpp): a deferred one fused, replayed for a trial, handed to
 // Python's engine, or replayed where no kernel fits and left going on along the cold plans'

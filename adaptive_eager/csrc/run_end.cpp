@@ -333,6 +333,18 @@ struct Ending {
   }
 };
 
+// Note [Paths that lead nowhere] (hot_path.cpp): a launch from the path's first node, which
+// forgives what its earlier starts exceed the allowed share by.
+void count_launch(const Run& run) {
+  if (run.first == nullptr) return;
+  const int64_t launches = run.first->launches.fetch_add(1, std::memory_order_relaxed) + 1;
+  const int64_t allowed = launches * kStartsPerLaunch;
+  int64_t starts = run.first->starts.load(std::memory_order_relaxed);
+  while (starts > allowed &&
+         !run.first->starts.compare_exchange_weak(starts, allowed, std::memory_order_relaxed)) {
+  }
+}
+
 // Note [Divergence in C++]
 // A deferred run that ends where no kernel fits (the program went on with other ops, or kept
 // other outputs) used to be handed to Python's engine, which replayed its ops and recorded
@@ -384,7 +396,9 @@ void end_run(Run& current) {
   if (run.node->depth == 0) return;
   const Plan* plan = plan_for(*run.node, live_refs(run));
   if (plan != nullptr && !written_inputs_shared(*plan, run.inputs)) {
-    switch (launch(run, *plan)) {
+    const Launched launched = launch(run, *plan);
+    if (launched != Launched::Refused) count_launch(run);
+    switch (launched) {
       case Launched::Fused:
         g_fused_runs.fetch_add(1, std::memory_order_relaxed);
         g_fused_ops.fetch_add(run.node->depth, std::memory_order_relaxed);

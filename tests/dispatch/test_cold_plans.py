@@ -294,6 +294,44 @@ def test_a_run_that_leaves_a_kernel_s_path_goes_on_along_a_cold_plan_in_cpp():
 
 
 
+def test_a_kernel_path_that_runs_keep_leaving_stops_being_deferred():
+    """Note [Paths that lead nowhere] (csrc/hot_path.cpp): runs that keep parting from a
+    kernel's path after its first ops are no longer deferred and replayed every time: they run
+    cold in C++ from their first op. The kernel's own segment still fuses when it comes back,
+    within a re-probe's passes."""
+    first, second = _sin_then(torch.cos), _sin_then(torch.exp)
+    x, w = torch.randn(256), torch.randn(256)
+    with config.patch(COMPILE=False), ae.enabled():     # the second's key, to keep uncompiled
+        second(x, w), second(x, w)
+        never = _entry_ending_with(torch.ops.aten.exp.default).digest
+    ae.reset()
+    with config.patch(DISABLE_KEYS=(never,)), ae.enabled():
+        for _ in range(4):
+            first(x, w)
+        for _ in range(20):            # past the first node's allowance of fruitless starts
+            second(x, w)
+        ae.sync()
+        before = ae.stats()
+        seconds = [second(x, w) for _ in range(48)]
+        ae.sync()
+        after = ae.stats()
+        firsts = [first(x, w) for _ in range(16)]       # the path pays again: re-probed
+        ae.sync()
+        back = ae.stats()
+        firsts += [first(x, w) for _ in range(8)]
+        ae.sync()
+        last = ae.stats()
+    assert after.divergences - before.divergences <= 48 // 16, after   # only re-probes
+    assert after.segments_recorded == before.segments_recorded, after
+    assert after.native_cold_runs - before.native_cold_runs >= 48, after
+    assert back.native_fused_executions > after.native_fused_executions, back
+    assert last.native_fused_executions - back.native_fused_executions == 8, last
+    for b in seconds:
+        assert_equal(b, second(x, w), bitwise=True)
+    for a in firsts:
+        assert_equal(a, first(x, w), bitwise=True)
+
+
 def _behind_a_cold_plan(first, second, x, w, steps: int = 40):
     """``second``'s key compiled while ``first``'s, sharing its first ops, runs cold in C++
     (kept uncompiled); then ``steps`` pairs of calls: (stats before, after, the pairs)."""
