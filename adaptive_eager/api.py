@@ -137,6 +137,7 @@ def stats() -> Stats:
     table = engine.existing_table()
     gauges = {} if table is None else dict(compiles_in_flight=table.compiles_in_flight,
                                             compiles_waiting=table.compiles_waiting)
+    gauges["steps_on_trial"] = sum(runtime.judge.probing for runtime in engine.live_runtimes())
     return counters.snapshot(backend=backend(), **gauges)
 
 

@@ -37,6 +37,7 @@ from adaptive_eager.dispatch import control, upcalls
 from adaptive_eager.dispatch import interceptor as interceptors
 from adaptive_eager.runtime import clock, engine
 from adaptive_eager.runtime.decisions import decide
+from adaptive_eager.runtime.step_judge import Action
 
 
 class Phase(enum.Enum):
@@ -242,20 +243,17 @@ def control_point() -> None:
         return
     end_segment()                      # Note [Natural boundaries] (dispatch/control.py)
     runtime, interceptor = enabled.runtime, enabled.interceptor
-    if enabled.phase is Phase.INTERCEPTING and runtime.pause_requested and \
+    if _judged_by_the_step(enabled):
+        pass
+    elif enabled.phase is Phase.INTERCEPTING and runtime.pause_requested and \
             interceptor.between_ops():
         seconds = runtime.paused_for()
-        interceptor.deactivate(unseen=runtime.control_points_pass())
-        enabled.move(Phase.PAUSED)
-        enabled.paused_until = clock.monotonic() + seconds
+        _pause(enabled, seconds)
         decide("paused", seconds=seconds)
     elif enabled.phase is Phase.PAUSED:
         landed = _banked_a_kernel(runtime)
         if landed or clock.monotonic() >= enabled.paused_until:
-            enabled.move(Phase.INTERCEPTING)
-            runtime.resumed(kernel_landed=landed)
-            interceptor.activate()
-            decide("resumed")
+            _resume(enabled, kernel_landed=landed)
     if isinstance(interceptor, interceptors.PythonInterceptor) and interceptors.switch_ready(
             interceptor):
         _switch_backend()
@@ -264,6 +262,51 @@ def control_point() -> None:
     if control.pause_hooks_installed() and \
             not any(r.pause_requested for r in engine.live_runtimes()):
         control.no_pause_pending()
+
+
+def _judged_by_the_step(enabled) -> bool:
+    """Note [Judged by the step] (runtime/step_judge.py): time this control point for the
+    runtime's judge, and pause or resume as it says. True if the phase changed here."""
+    runtime, judge = enabled.runtime, enabled.runtime.judge
+    intercepting = enabled.phase is Phase.INTERCEPTING
+    now = clock.monotonic()
+    if not config.PAUSE or runtime.pause_requested or not (
+            intercepting or (enabled.phase is Phase.PAUSED and judge.paused_window)):
+        if judge.probing and not judge.paused_window:
+            judge.abandon(now)          # pausing's own pause (or a sit-out) came between
+        return False
+    table = runtime.table
+    settled = not (table.compiles_in_flight or table.compiles_due)
+    action = judge.at_point(now, settled, table.compiles_answered)
+    if action is Action.PAUSE_WINDOW:
+        if not (intercepting and enabled.interceptor.between_ops()):
+            judge.abandon(now)
+            return False
+        _pause(enabled, runtime.paused_by_judge(window=True))
+    elif action is Action.PAUSE:
+        enabled.paused_until = now + runtime.paused_by_judge(window=False)
+        intercepting_s, paused_s = judge.last_times
+        decide("paused", seconds=enabled.paused_until - now, judged="step",
+               intercepting_s=round(intercepting_s, 4), paused_s=round(paused_s, 4))
+    elif action is Action.RESUME and enabled.phase is Phase.PAUSED:
+        _resume(enabled, kernel_landed=False)
+    else:
+        return False
+    return True
+
+
+def _pause(enabled, seconds: float) -> None:
+    """Stop intercepting for ``seconds`` (control_point flushed the runtime already)."""
+    enabled.interceptor.deactivate(unseen=enabled.runtime.control_points_pass())
+    enabled.move(Phase.PAUSED)
+    enabled.paused_until = clock.monotonic() + seconds
+
+
+def _resume(enabled, kernel_landed: bool) -> None:
+    enabled.move(Phase.INTERCEPTING)
+    enabled.runtime.resumed(kernel_landed=kernel_landed)
+    enabled.interceptor.activate()
+    decide("resumed")
 
 
 def _banked_a_kernel(runtime) -> bool:

@@ -37,8 +37,11 @@ from typing import Any, Callable
 # Warm-up: about this long in eager, and within these bounds. The runtime settles within a
 # few hundred segments: a new kernel's trial takes 7 runs (Note [Side by side]), and a pause
 # comes after PAUSE_WINDOW (256) segments with nothing worth fusing; 3 steps of a tiny
-# workload measured a runtime still on trial, and 3 steps of a 30 ms one take 0.1 s.
-WARMUP_S = 0.5
+# workload measured a runtime still on trial, and 3 steps of a 30 ms one take 0.1 s. After its
+# compiles, the runtime times steps intercepting against paused (Note [Judged by the step]):
+# four windows of 16 control points, ~20 steps of a GPT-2 training step; 0.5 s measured the
+# runtime in the middle of that.
+WARMUP_S = 3.0
 WARMUP_STEPS = 3
 MOST_WARMUP_STEPS = 500
 MODES = ("eager", "adaptive", "compile")

@@ -5,12 +5,15 @@ it ends and decides when to pause; the pause itself starts and ends at control p
 """
 from __future__ import annotations
 
+import math
+
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import control
-from adaptive_eager.runtime import scheduling
+from adaptive_eager.runtime import clock, scheduling
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.policy import KeyState
 from adaptive_eager.runtime.stats import counters
+from adaptive_eager.runtime.step_judge import Judge
 
 PAUSE_FIRST_S = 1.0       # the first pause; each fruitless probe doubles it...
 PAUSE_LONGEST_S = 64.0    # ...up to this
@@ -53,6 +56,7 @@ class Pausing:
         self.pause_requested = False
         self.pause_backoff_s = PAUSE_FIRST_S
         self.awaited_answers: int | None = None   # see awaited_kernel_landed()
+        self.judge = Judge.starting_at(clock.monotonic())   # Note [Judged by the step]
 
     def _watch_kernel(self, variant, runs: int = 1) -> None:
         """Note [Pausing]: a kernel keeps the runtime intercepting only while what its runs
@@ -164,6 +168,17 @@ class Pausing:
         seconds, self.pause_backoff_s = self.pause_backoff_s, min(self.pause_backoff_s * 2,
                                                                    PAUSE_LONGEST_S)
         return seconds
+
+    def paused_by_judge(self, window: bool) -> float:
+        """Start a pause of the step judge's (Note [Judged by the step]): one of its paused
+        windows (until it says, math.inf), or the pause it decided. Either ends if a kernel
+        lands meanwhile (awaited_kernel_landed), as any pause."""
+        self.awaited_answers = self.table.compiles_answered
+        if window:
+            return math.inf
+        self.unpaid_s = 0.0
+        counters.add("pauses")
+        return self.judge.paused_for()
 
     def resumed(self, kernel_landed: bool) -> None:
         """A pause ended. One that ended because a kernel landed gives the kernel a chance

@@ -23,6 +23,8 @@ class Stats:
     compile_seconds: float = 0.0
     compiles_in_flight: int = 0     # now, not counted: in the worker (warm-up is not over)
     compiles_waiting: int = 0       # now: hot keys whose compile waits (Note [When to compile])
+    steps_on_trial: int = 0         # now: runtimes timing steps intercepting against paused
+                                    # (Note [Judged by the step], runtime/step_judge.py)
     generic_kernels: int = 0        # compiles for every shape of a structure
                                     # (Note [Generic kernels], runtime/generic_kernels.py)
     generic_instances: int = 0      # keys (shapes) served by one of those, without a compile
@@ -51,7 +53,7 @@ class Stats:
         return result
 
 
-_GAUGES = ("compiles_in_flight", "compiles_waiting")     # read at snapshot time, not counted
+_GAUGES = ("compiles_in_flight", "compiles_waiting", "steps_on_trial")     # read at snapshot time, not counted
 
 
 class Counters:

@@ -1,0 +1,110 @@
+"""Judging the runtime by the program's own steps: intercepting against paused, side by side.
+
+# Note [Judged by the step]
+Each mechanism judges its own part: a kernel's trial times its fused runs against its per-op
+runs (Note [Side by side]), pausing weighs interception against what kernels save (Note
+[Pausing]). What neither sees is what intercepting costs the ops themselves: deferred outputs
+and replays allocated beside eager's, tensors held to a segment's end, so that freed memory is
+not reused and pages fault in again (Note [Allocator thresholds]). On GPT-2's training step a
+kernel saving ~1 ms a step kept the runtime intercepting while its steps ran 7-20% slower
+than paused ones. So once nothing compiles or is due to, the runtime times the program between
+its control points (an optimizer step, ``backward()``, ``ae.sync()``) in windows of WINDOW
+points: intercepting, paused, intercepting, paused. If the paused windows took less than the
+intercepting ones by more than MARGIN, the runtime pauses, for PAUSE_FIRST_S, doubling to
+PAUSE_LONGEST_S while verdicts stay the same (a kernel landing meanwhile ends the pause, as any
+pause); else it probes again after KEEP_FIRST_S, doubling to KEEP_LONGEST_S. A compile that
+starts or ends during a probe abandons it (the windows would not compare like with like).
+Counting control points rather than seconds keeps the windows whole steps' worth of each
+phase however long a step is; a loop that passes no control point is never judged. The first
+probe waits FIRST_PROBE_S after enable(): a program's first steps record and compile.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+WINDOW = 16               # control points a window lasts (a multiple of 1, 2 or 4 points a step)
+ROUNDS = 2                # intercepting and paused windows each, alternating
+MARGIN = 0.03             # paused must win by this share of the intercepting time
+PAUSE_FIRST_S, PAUSE_LONGEST_S = 8.0, 128.0
+KEEP_FIRST_S, KEEP_LONGEST_S = 16.0, 256.0
+FIRST_PROBE_S = 4.0
+
+
+class Action(enum.Enum):
+    NONE = "none"
+    PAUSE_WINDOW = "pause_window"     # pause until the judge says RESUME
+    RESUME = "resume"                 # a paused window is over
+    PAUSE = "pause"                   # the verdict: pause for ``paused_for()``
+
+
+@dataclasses.dataclass
+class Judge:
+    """Note [Judged by the step]: one runtime's probes and verdicts. ``at_point`` is called at
+    each control point the program passes, with the clock's time."""
+
+    probe_at: float                   # when the next probe may start
+    pause_s: float = PAUSE_FIRST_S    # the next verdict's pause
+    keep_s: float = KEEP_FIRST_S      # the next wait after a verdict to keep intercepting
+    times: list = dataclasses.field(default_factory=list)   # finished windows' seconds
+    window_start: float | None = None     # None: no probe running
+    points: int = 0
+    answers: int = 0                  # the table's compiles_answered when the probe began
+    verdicts: int = 0                 # how many pauses it decided (for stats and tests)
+    last_times: tuple = (0.0, 0.0)    # (intercepting, paused) seconds of the last verdict
+
+    @classmethod
+    def starting_at(cls, now: float) -> "Judge":
+        return cls(probe_at=now + FIRST_PROBE_S)
+
+    @property
+    def probing(self) -> bool:
+        return self.window_start is not None
+
+    @property
+    def paused_window(self) -> bool:
+        return self.probing and len(self.times) % 2 == 1
+
+    def at_point(self, now: float, settled: bool, answers: int) -> Action:
+        """``settled``: nothing compiles or is due to; ``answers``: compiles answered so far."""
+        if not self.probing:
+            if settled and now >= self.probe_at:
+                self.window_start, self.points, self.times = now, 0, []
+                self.answers = answers
+            return Action.NONE
+        if not settled or answers != self.answers:
+            return self.abandon(now)
+        self.points += 1
+        if self.points < WINDOW:
+            return Action.NONE
+        self.times.append(now - self.window_start)
+        self.window_start, self.points = now, 0
+        if len(self.times) < 2 * ROUNDS:
+            return Action.PAUSE_WINDOW if self.paused_window else Action.RESUME
+        return self._verdict(now)
+
+    def abandon(self, now: float) -> Action:
+        """Stop the probe; RESUME if it was in a paused window."""
+        was_paused = self.paused_window
+        self.window_start, self.times = None, []
+        self.probe_at = now
+        return Action.RESUME if was_paused else Action.NONE
+
+    def _verdict(self, now: float) -> Action:
+        intercepting, paused = sum(self.times[0::2]), sum(self.times[1::2])
+        self.window_start, self.times = None, []
+        self.last_times = (intercepting, paused)
+        if paused < intercepting * (1.0 - MARGIN):
+            self.verdicts += 1
+            self.probe_at = now + self.pause_s      # probed again once the pause is over
+            self.keep_s = KEEP_FIRST_S
+            return Action.PAUSE
+        self.probe_at = now + self.keep_s
+        self.keep_s = min(self.keep_s * 2, KEEP_LONGEST_S)
+        self.pause_s = PAUSE_FIRST_S
+        return Action.RESUME            # (the last window was a paused one)
+
+    def paused_for(self) -> float:
+        """The verdict's pause, doubling the next one."""
+        seconds, self.pause_s = self.pause_s, min(self.pause_s * 2, PAUSE_LONGEST_S)
+        return seconds

@@ -1,0 +1,122 @@
+"""Judging the runtime by the program's steps (Note [Judged by the step] in
+runtime/step_judge.py): intercepting and paused windows of control points, side by side; the
+runtime pauses when paused steps are faster. Times are stated (FakeClock), never measured."""
+import pytest
+import torch
+
+import adaptive_eager as ae
+from adaptive_eager.config import config
+from adaptive_eager.runtime import engine, step_judge
+from adaptive_eager.runtime.step_judge import (FIRST_PROBE_S, KEEP_FIRST_S, PAUSE_FIRST_S,
+                                               WINDOW, Action, Judge)
+from helpers import assert_equal
+
+
+def _probe(judge: Judge, start: float, intercepting_s: float, paused_s: float,
+           answers: int = 0) -> list:
+    """Pass the control points of one probe (each window's points evenly spaced in time);
+    the actions the judge asked for, in order, with the point's index."""
+    now, actions = start, []
+    assert judge.at_point(now, settled=True, answers=answers) is Action.NONE   # starts it
+    for window in range(2 * step_judge.ROUNDS):
+        seconds = paused_s if window % 2 else intercepting_s
+        for point in range(WINDOW):
+            now += seconds / WINDOW
+            action = judge.at_point(now, settled=True, answers=answers)
+            if action is not Action.NONE:
+                actions.append((window * WINDOW + point, action))
+    return actions
+
+
+def test_paused_windows_that_are_faster_give_a_pause_that_doubles():
+    judge = Judge.starting_at(0.0)
+    actions = _probe(judge, FIRST_PROBE_S, intercepting_s=1.0, paused_s=0.9)
+    last = 4 * WINDOW - 1
+    assert actions == [(WINDOW - 1, Action.PAUSE_WINDOW), (2 * WINDOW - 1, Action.RESUME),
+                       (3 * WINDOW - 1, Action.PAUSE_WINDOW), (last, Action.PAUSE)]
+    assert judge.last_times == pytest.approx((2.0, 1.8))
+    assert (judge.paused_for(), judge.paused_for()) == (PAUSE_FIRST_S, 2 * PAUSE_FIRST_S)
+    assert judge.verdicts == 1
+
+
+@pytest.mark.parametrize("paused_s", [1.1, 0.99])     # slower; faster but within MARGIN
+def test_no_pause_unless_paused_windows_win_by_the_margin(paused_s):
+    judge = Judge.starting_at(0.0)
+    actions = _probe(judge, FIRST_PROBE_S, intercepting_s=1.0, paused_s=paused_s)
+    assert actions[-1] == (4 * WINDOW - 1, Action.RESUME)       # back from its paused window
+    assert judge.verdicts == 0 and not judge.probing
+    end = FIRST_PROBE_S + 2 * (1.0 + paused_s)
+    assert judge.at_point(end + KEEP_FIRST_S - 0.01, True, 0) is Action.NONE
+    assert not judge.probing                                    # the next probe waits
+    judge.at_point(end + KEEP_FIRST_S + 0.01, True, 0)
+    assert judge.probing
+
+
+def test_no_probe_before_the_first_delay_or_while_compiles_run():
+    judge = Judge.starting_at(10.0)
+    judge.at_point(10.0 + FIRST_PROBE_S - 0.01, settled=True, answers=0)
+    assert not judge.probing
+    judge.at_point(10.0 + FIRST_PROBE_S, settled=False, answers=0)
+    assert not judge.probing
+    judge.at_point(10.0 + FIRST_PROBE_S, settled=True, answers=0)
+    assert judge.probing
+
+
+def test_a_compile_answered_mid_probe_abandons_it_and_resumes():
+    judge = Judge.starting_at(0.0)
+    now = FIRST_PROBE_S
+    judge.at_point(now, True, answers=3)
+    for _ in range(WINDOW):                                     # into the paused window
+        now += 0.01
+        judge.at_point(now, True, answers=3)
+    assert judge.paused_window
+    assert judge.at_point(now + 0.01, True, answers=4) is Action.RESUME
+    assert not judge.probing and judge.verdicts == 0
+
+
+# ------------------------------------------------------------ in a training loop
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+def _train(model, steps: int, step_s=None, fake_clock=None) -> list:
+    """AdamW steps on fixed data (two control points a step: backward and the optimizer
+    step); ``step_s(paused)`` is the time a step takes, stated on the fake clock."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    x, y = torch.randn(16, 32), torch.randn(16, 8)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if fake_clock is not None:
+            fake_clock.advance(step_s(ae.is_paused()))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("paused_faster", [True, False])
+def test_a_training_loop_pauses_only_if_its_paused_steps_are_faster(fake_clock, paused_faster):
+    """The kernels here keep pausing's own window empty (KEEP_UNPROFITABLE: never judged
+    unprofitable), so only the judge can pause it; its steps are 100 ms intercepting and 80
+    ms (or 120 ms) paused. Results are eager's either way."""
+    expected_model = _model()
+    expected = _train(expected_model, 160)
+    model = _model()
+    with config.patch(PAUSE=True), ae.enabled():
+        losses = _train(model, 160, lambda paused: (0.08 if paused_faster else 0.12)
+                        if paused else 0.1, fake_clock)
+        [runtime] = engine.live_runtimes()
+        judge = runtime.judge
+        fused = ae.stats().fused_executions
+    assert fused > 0
+    assert judge.verdicts == (1 if paused_faster else 0), judge
+    intercepting_s, paused_s = judge.last_times             # of the probe's verdict
+    assert intercepting_s > 0 and (paused_s < intercepting_s) == paused_faster, judge
+    for got, want in zip(losses, expected):
+        assert_equal(got, want, bitwise=True)
+    for got, want in zip(model.parameters(), expected_model.parameters()):
+        assert_equal(got, want, bitwise=True)
