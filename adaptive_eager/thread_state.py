@@ -189,6 +189,8 @@ def _stop_intercepting(phase: Phase) -> Enabled | None:
             not enabled.interceptor.is_active():
         return None
     enabled.runtime.flush()
+    if enabled.phase is not Phase.INTERCEPTING:
+        return None          # the flush ended a cold run whose harvest paused the runtime
     enabled.interceptor.deactivate()
     enabled.move(phase)
     return enabled

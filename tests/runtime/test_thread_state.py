@@ -46,3 +46,28 @@ def test_enable_paused_and_disable_move_the_phase():
         assert enabled.phase is Phase.INTERCEPTING and enabled.interceptor.is_active()
         chain(x)
     assert thread_state.top() is None
+
+
+def test_paused_when_the_flush_itself_pauses_the_runtime(monkeypatch):
+    """ae.paused() flushes first; ending a cold run harvests its counts, and a harvest that
+    finds a pause requested pauses the runtime there. The block then runs paused (eager), and
+    the runtime comes back from its own pause, not from ae.paused()'s."""
+    x = torch.randn(16)
+    with ae.enabled():
+        enabled = thread_state.top()
+        runtime = enabled.runtime
+        flush = runtime.flush
+
+        def flush_that_pauses(*args, **kwargs):
+            flush(*args, **kwargs)
+            if enabled.phase is Phase.INTERCEPTING and not runtime.pause_requested:
+                runtime.pause_requested = True
+                thread_state.control_point()        # (which flushes again)
+
+        monkeypatch.setattr(runtime, "flush", flush_that_pauses)
+        with ae.paused():
+            assert enabled.phase is Phase.PAUSED and ae.is_paused()
+            torch.testing.assert_close(chain(x), chain(x))
+        monkeypatch.undo()
+        assert enabled.phase is Phase.PAUSED       # its own pause: ended at a control point
+    assert thread_state.top() is None
