@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 import threading
 import time
 from typing import Callable, Iterator, Protocol
@@ -92,7 +94,19 @@ class InductorCompiler:
         ours (Note [Why a process])."""
         with inductor_dir.ours():       # imports Inductor as the program would, then the
             from torch._inductor.cpu_vec_isa import pick_vec_isa   # probe builds test
-            pick_vec_isa()                                          # programs in its cache
+            _lowest_priority_for_this_thread()                      # programs in its cache
+            pick_vec_isa()
+
+
+def _lowest_priority_for_this_thread() -> None:
+    """On Linux a nice value is a thread's own, and processes it starts inherit it: the ISA
+    probe's C++ compilers must not take cores from the program's threads (Note [Lending a
+    thread]; this daemon thread ends after the probe). Elsewhere nothing happens."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
 
 
 _compiler_lock = threading.Lock()

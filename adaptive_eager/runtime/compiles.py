@@ -25,6 +25,7 @@ from adaptive_eager.runtime.records import Records
 from adaptive_eager.runtime.scheduling import CompileQueue
 from adaptive_eager.runtime.segment import to_wire
 from adaptive_eager.runtime.stats import counters
+from adaptive_eager.runtime.thread_lending import ThreadLender
 from adaptive_eager.runtime.worker import CompileRequest, CompileWorker, is_transfer_file
 
 NOT_LOADED = "compile_error: the worker's artifact did not load"
@@ -50,6 +51,7 @@ class Compiles:
         self._banked_at = -math.inf       # monotonic time of the last bank_while_paused credit
         self.answered = 0                 # worker results handled (kernels or failures)
         self._next_request = 0
+        self.threads = ThreadLender()     # Note [Lending a thread]
 
     @property
     def in_background(self) -> bool:
@@ -165,9 +167,11 @@ class Compiles:
         self._next_request += 1
         request = CompileRequest(self._next_request, digest, segment, metas,
                                  (type(compiler).__module__, type(compiler).__qualname__),
-                                 scheduling.kernel_threads(metas), variants)
+                                 scheduling.kernel_threads(metas, self.threads.program_threads()),
+                                 variants)
         self._compiling[request.request_id] = finish
         self.worker.submit(request)
+        self.threads.lend()                # Note [Lending a thread]
 
     def poll(self, wait_s: float = 0.0) -> None:
         """Start the waiting compiles that are due (all of them when ``wait_s``: the caller
@@ -178,6 +182,7 @@ class Compiles:
 
     def _collect(self, wait_s: float = 0.0) -> None:
         if self.worker is None or not self._compiling:
+            self.threads.give_back()
             return
         results = self.worker.wait(wait_s) if wait_s else self.worker.poll()
         for result in results:
@@ -188,6 +193,8 @@ class Compiles:
                     self.answered += 1
         if results:
             self.start_due()
+        if not self._compiling:
+            self.threads.give_back()
 
     def has_news(self) -> bool:
         """Has the worker finished (or overrun) a compile that poll() would collect?"""
@@ -234,8 +241,10 @@ class Compiles:
     def disown(self) -> None:
         if self.worker is not None:
             self.worker.disown()
+        self.threads.give_back()          # a forked child has no compile in flight
 
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        self.threads.give_back()
         self._queue.clear()

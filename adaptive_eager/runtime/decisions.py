@@ -47,6 +47,8 @@ DECISIONS = {
     "resumed": (logging.INFO, None),
     "backend_switched": (logging.INFO, None),
     "first_step_plain": (logging.INFO, "optimizer"),
+    "thread_lent": (logging.INFO, None),
+    "thread_given_back": (logging.INFO, None),
 }
 
 _lock = threading.Lock()

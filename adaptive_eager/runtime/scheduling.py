@@ -30,9 +30,9 @@ kernel lands.
 
 Due keys compile one at a time, the one that banked the most savings first (the worker
 compiles one graph at a time anyway; queued in the worker they would go first come, first
-served). The program keeps all its threads; the worker runs beside them at the program's
-priority, so a compile takes the share of the machine its cost above assumes (Note [Why a
-process]).
+served). The worker runs at the program's priority (Note [Why a process]) on a core the
+program lends it while it compiles (Note [Lending a thread]): the share of the machine its
+cost above assumes.
 """
 from __future__ import annotations
 
@@ -175,10 +175,13 @@ class CompileQueue:
 SERIAL_BELOW_NUMEL = 65536
 
 
-def kernel_threads(metas) -> int:
+def kernel_threads(metas, program_threads: int | None = None) -> int:
     """The intra-op threads to compile a segment's kernel for (Note [Serial kernels]);
-    ``metas``: its inputs' and outputs' TensorMetas (or tensors)."""
+    ``metas``: its inputs' and outputs' TensorMetas (or tensors); ``program_threads``: the
+    program's own count (default: this thread's now; Note [Lending a thread])."""
     import math
     import torch
     largest = max((math.prod(meta.shape) for meta in metas), default=0)
-    return 1 if largest < SERIAL_BELOW_NUMEL else torch.get_num_threads()
+    if largest < SERIAL_BELOW_NUMEL:
+        return 1
+    return program_threads or torch.get_num_threads()

@@ -5,7 +5,8 @@ throughput lost), two compile threads crash Inductor, and it breaks the user's o
 torch.compile (docs/design.md, "Compile worker"). So hot segments go to one worker process,
 started with
 ``python -m adaptive_eager.runtime.worker`` (not multiprocessing's spawn, which would re-run the
-user's main module), at the program's priority: a niced worker (nice 10) on a machine whose
+user's main module), at the program's priority, on a core the program lends it (Note [Lending
+a thread] in thread_lending.py): a niced worker (nice 10) on a machine whose
 cores the program keeps busy got a tenth of a core, and a training loop's first compile had
 not landed after four minutes. It compiles one graph at a time (for the program's
 intra-op thread count: Inductor bakes it into CPU kernels), saves the artifact into the shared

@@ -11,8 +11,9 @@ import torch
 
 import adaptive_eager as ae
 from adaptive_eager.config import config
-from adaptive_eager.runtime import engine, scheduling
+from adaptive_eager.runtime import engine, scheduling, thread_lending
 from adaptive_eager.runtime.entries import KeyState
+from adaptive_eager.runtime.worker import CompileWorker
 from adaptive_eager.testing import CountingCompiler, faults
 from helpers import MECHANICS_ENV, assert_equal, chain, other, results_held
 
@@ -43,20 +44,36 @@ def background():
         yield
 
 
-def test_segments_run_per_op_until_the_worker_delivers(background, compiler):
-    x = torch.randn(64)
+@pytest.fixture
+def two_threads_on_two_cores(monkeypatch):
+    """The program's threads cover every core it may use (torch's default)."""
+    monkeypatch.setattr(thread_lending, "_usable_cores", lambda: 2)
     threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_segments_run_per_op_until_the_worker_delivers(background, compiler,
+                                                       two_threads_on_two_cores, monkeypatch):
+    x = torch.randn(2 * scheduling.SERIAL_BELOW_NUMEL)     # a kernel for the program's threads
+    requested = []
+    submit = CompileWorker.submit
+    monkeypatch.setattr(CompileWorker, "submit",
+                        lambda worker, request: (requested.append(request.threads),
+                                                 submit(worker, request)))
     with ae.enabled():
         early = [chain(x) for _ in range(4)]
         assert _entry().state is KeyState.COMPILING
-        assert torch.get_num_threads() == threads        # the program keeps its threads
+        assert torch.get_num_threads() == 1              # Note [Lending a thread]
         stats = ae.stats()
         assert stats.fused_executions == 0 and stats.compiles_in_flight == 1
         ae.sync(wait_compiles=120)
         assert ae.stats().compiles_in_flight == 0
         assert _entry().state is KeyState.READY
-        assert torch.get_num_threads() == threads
+        assert torch.get_num_threads() == 2              # given back
         late = [chain(x) for _ in range(4)]
+    assert requested == [2]                              # compiled for the program's own
     for out in early + late:
         assert_equal(out, chain(x))
     stats = ae.stats()
@@ -192,7 +209,7 @@ EXITING = textwrap.dedent("""
     import os, sys, time, torch
     sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
     import adaptive_eager as ae
-    from adaptive_eager.runtime import engine, scheduling
+    from adaptive_eager.runtime import engine, scheduling, thread_lending
     from adaptive_eager.runtime.compiler import use_compiler
     from test_background import HangingCompiler
     x = torch.randn(64)
