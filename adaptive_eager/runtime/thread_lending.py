@@ -13,8 +13,9 @@ keeps both cores busy, an 8-op chain's compile had not landed after 22 s (8 s le
 
 So while compiles are in flight, the thread that started them runs its parallel regions on
 one thread fewer, and gets it back when the last one is answered (or the runtime closes).
-The program's own choice wins: a thread count it set meanwhile is left as it is. Kernels are
-still compiled for the program's own count (``program_threads``).
+The program's own choice wins: a thread count it set meanwhile is left as it is (unless it set
+the very count lent, which cannot be told apart). Kernels are still compiled for the program's
+own count (``program_threads``).
 """
 from __future__ import annotations
 

@@ -263,17 +263,24 @@ def test_a_loss_whose_backward_passes_no_class_weights_runs_cold_in_cpp():
         assert_equal(got.grad, want.grad, bitwise=True)
 
 
+def _a_kernel_path_and_a_twin_without_one():
+    """Two functions whose segments share their first ops (sin, then cos or exp), their inputs,
+    and the digest of the second's key, which DISABLE_KEYS keeps uncompiled."""
+    first, second = _sin_then(torch.cos), _sin_then(torch.exp)
+    x, w = torch.randn(256), torch.randn(256)
+    with config.patch(COMPILE=False), ae.enabled():
+        second(x, w), second(x, w)
+        never = _entry_ending_with(torch.ops.aten.exp.default).digest
+    ae.reset()
+    return first, second, x, w, never
+
+
 def test_a_run_that_leaves_a_kernel_s_path_goes_on_along_a_cold_plan_in_cpp():
     """Note [Divergence in C++] (csrc/run_end.cpp): a kernel's path shares its first ops with
     a segment that has no kernel. A run that parts from the kernel's path is replayed and
     goes on along the other segment's cold plan in C++, instead of being replayed and
     recorded on by Python every time."""
-    first, second = _sin_then(torch.cos), _sin_then(torch.exp)
-    x, w = torch.randn(256), torch.randn(256)
-    with config.patch(COMPILE=False), ae.enabled():     # the second's key, to keep uncompiled
-        second(x, w), second(x, w)
-        never = _entry_ending_with(torch.ops.aten.exp.default).digest
-    ae.reset()
+    first, second, x, w, never = _a_kernel_path_and_a_twin_without_one()
     with config.patch(DISABLE_KEYS=(never,)), ae.enabled():
         for _ in range(4):
             first(x, w)
@@ -293,18 +300,12 @@ def test_a_run_that_leaves_a_kernel_s_path_goes_on_along_a_cold_plan_in_cpp():
         assert_equal(b, second(x, w), bitwise=True)
 
 
-
 def test_a_kernel_path_that_runs_keep_leaving_stops_being_deferred():
     """Note [Paths that lead nowhere] (csrc/hot_path.cpp): runs that keep parting from a
     kernel's path after its first ops are no longer deferred and replayed every time: they run
     cold in C++ from their first op. The kernel's own segment still fuses when it comes back,
     within a re-probe's passes."""
-    first, second = _sin_then(torch.cos), _sin_then(torch.exp)
-    x, w = torch.randn(256), torch.randn(256)
-    with config.patch(COMPILE=False), ae.enabled():     # the second's key, to keep uncompiled
-        second(x, w), second(x, w)
-        never = _entry_ending_with(torch.ops.aten.exp.default).digest
-    ae.reset()
+    first, second, x, w, never = _a_kernel_path_and_a_twin_without_one()
     with config.patch(DISABLE_KEYS=(never,)), ae.enabled():
         for _ in range(4):
             first(x, w)
