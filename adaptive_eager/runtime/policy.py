@@ -112,9 +112,7 @@ class KeyTable:
         decide("hot", key=entry.digest, ops=len(entry.segment.ops), seen=entry.seen)
         reason = unfusible_reason(entry.segment, entry)
         if reason is not None:
-            entry.state, entry.reason = KeyState.UNFUSIBLE, reason
-            counters.fallback(reason)
-            decide("unfusible", key=entry.digest, reason=reason)
+            self._mark_unfusible(entry, reason)
         elif entry.digest.startswith(config.DISABLE_KEYS or ("\0",)):
             entry.state, entry.reason = KeyState.DISABLED, "NEURON_ADAPTIVE_EAGER_DISABLE_KEYS"
             counters.fallback("disabled_key")
@@ -129,7 +127,20 @@ class KeyTable:
             return
         self.records.note(entry, state=entry.state.value, reason=entry.reason)
 
+    def _mark_unfusible(self, entry: KeyEntry, reason: str) -> None:
+        entry.state, entry.reason = KeyState.UNFUSIBLE, reason
+        counters.fallback(reason)
+        decide("unfusible", key=entry.digest, reason=reason)
+
     def _start_compile(self, entry: KeyEntry) -> None:
+        # A key that waited to bank its cost was judged on its first runs, whose times include
+        # a program's warm-up (the first calls of its ops); the runs since may show it too
+        # cheap (or matmul-bound) after all.
+        reason = unfusible_reason(entry.segment, entry)
+        if reason is not None:
+            self._mark_unfusible(entry, reason)
+            self.records.note(entry, state=entry.state.value, reason=entry.reason)
+            return
         if self.generic.compile_generically(entry):
             self.records.note(entry, state=entry.state.value, reason=entry.reason)
         else:

@@ -100,6 +100,26 @@ def test_a_hot_key_compiles_once_its_runs_banked_the_compile_cost(background, mo
         assert_equal(out, chain(x))
 
 
+def test_a_waiting_key_whose_later_runs_are_too_cheap_never_compiles(background, monkeypatch):
+    """Its first runs (a program's warm-up) made it look worth a kernel; by the time its
+    compile would start (here: sync(wait_compiles=...) starts every waiting one) its least
+    per-op run is under MIN_SEGMENT_US: no compile, unfusible as too_cheap."""
+    x = torch.randn(64)
+    with config.patch(COMPILE_COST_MS=10**6, MIN_SEGMENT_US=0), ae.enabled():
+        [_ran(chain, x) for _ in range(2)]
+        entry = _entry()
+        assert entry.state is KeyState.WAITING
+        entry.compute_seconds = entry.fusible_seconds = 20e-6     # as its later runs measure
+        with config.patch(MIN_SEGMENT_US=100):
+            ae.sync(wait_compiles=120)
+        assert entry.state is KeyState.UNFUSIBLE and entry.reason == "too_cheap"
+        out = chain(x)
+    stats = ae.stats()
+    assert stats.compiles == 0 and stats.fallbacks.get("too_cheap") == 1
+    assert engine.shared_table().worker is None
+    assert_equal(out, chain(x))
+
+
 def test_the_key_that_banked_most_compiles_first_one_at_a_time(background, monkeypatch):
     savings = {5: 0.01, 6: 0.5}                  # by the ops of the segment: chain 5, bigger 6
     monkeypatch.setattr(scheduling, "predicted_saving_s",
