@@ -38,7 +38,7 @@ class Compiles:
     def __init__(self, lock: threading.RLock, disk: DiskCache | None, loaded: LoadedKernels,
                  records: Records, start: Callable[[KeyEntry], None]) -> None:
         """``start(entry)`` starts a due key's compile: its structure's generic kernel, or
-        its own (``compile``)."""
+        its own (``compile``), unless its runs since it turned hot show it unfusible."""
         self._lock = lock                 # the key table's
         self._disk = disk
         self._loaded = loaded

@@ -51,7 +51,7 @@ class KeyTable:
         self.loaded = LoadedKernels(trie, disk, memory_size)
         self.trie, self.kernels = trie, self.loaded.lru   # the hot path's trie, its kernels' LRU
         self.compiles = Compiles(self._lock, disk, self.loaded, self.records,
-                                 start=self._start_compile)
+                                 start=self._start_waiting)
         self.generic = GenericKernels(self.loaded, self.compiles)
         self.profit = ProfitTrial(self._lock, self.loaded, self.records,
                                   compiling=lambda: self.compiles.in_flight > 0)
@@ -132,15 +132,18 @@ class KeyTable:
         counters.fallback(reason)
         decide("unfusible", key=entry.digest, reason=reason)
 
-    def _start_compile(self, entry: KeyEntry) -> None:
-        # A key that waited to bank its cost was judged on its first runs, whose times include
-        # a program's warm-up (the first calls of its ops); the runs since may show it too
-        # cheap (or matmul-bound) after all.
+    def _start_waiting(self, entry: KeyEntry) -> None:
+        """A key that waited to bank its cost was judged when it turned hot, on its first runs,
+        whose times include a program's warm-up (the first calls of its ops); the runs since
+        may show it too cheap (or matmul-bound) after all."""
         reason = unfusible_reason(entry.segment, entry)
         if reason is not None:
             self._mark_unfusible(entry, reason)
             self.records.note(entry, state=entry.state.value, reason=entry.reason)
             return
+        self._start_compile(entry)
+
+    def _start_compile(self, entry: KeyEntry) -> None:
         if self.generic.compile_generically(entry):
             self.records.note(entry, state=entry.state.value, reason=entry.reason)
         else:

@@ -53,7 +53,8 @@ class Stats:
         return result
 
 
-_GAUGES = ("compiles_in_flight", "compiles_waiting", "steps_on_trial")     # read at snapshot time, not counted
+# read at snapshot time, not counted
+_GAUGES = ("compiles_in_flight", "compiles_waiting", "steps_on_trial")
 
 
 class Counters:
