@@ -278,7 +278,7 @@ def _judged_by_the_step(enabled) -> bool:
             judge.abandon(now)          # pausing's own pause (or a sit-out) came between
         return False
     table = runtime.table
-    settled = not (table.compiles_in_flight or table.compiles_due)
+    settled = not (table.compiles_in_flight or table.compiles_due or table.kernels_on_trial)
     action = judge.at_point(now, settled, table.compiles_answered)
     if action is Action.PAUSE_WINDOW:
         if not (intercepting and enabled.interceptor.between_ops()):

@@ -106,21 +106,20 @@ class KeyEntry:
         timed = self.fused_samples[1:] or self.fused_samples
         return statistics.median(timed) * 1e3 if timed else None
 
-    @property
-    def promising(self) -> bool:
+    def promising(self, backend: str) -> bool:
         """Is fusion paying, or could it soon? (Nothing promising for long: the runtime
         pauses: Note [Pausing], runtime/pausing.py.) A key waiting for its compile is, once
         it came back after turning hot and until it is due: only its runs per-op bank the
         savings that start the compile (Note [When to compile]). (Keys made of per-step
         scalars turn hot within one step, two parameters of one shape, and never come back.)
         A key due or compiling is not: until its kernel lands, watching it gains nothing. Nor
-        is one whose runs save less than watching them costs: it banks while the runtime
-        pauses."""
+        is one whose runs save less than watching them costs on ``backend`` (the interceptor's:
+        "cpp" or "python"): it banks while the runtime pauses."""
         if self.state is KeyState.READY:
             return True
         if self.state is KeyState.WAITING:        # and it came back since it turned hot:
             return self.seen > config.HOT_THRESHOLD and not scheduling.is_due(self) \
-                and scheduling.worth_watching(self)
+                and scheduling.worth_watching(self, backend)
         # A key seen once is no evidence (dynamic shapes make new keys all the time).
         return self.state is KeyState.COLD and self.seen >= 2 \
             and self.segment.compute_ops >= MIN_COMPUTE_OPS and not self.too_cheap

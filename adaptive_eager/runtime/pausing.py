@@ -95,7 +95,7 @@ class Pausing:
         run."""
         self._count_control_points(runs)
         self._segments_since_kernel += runs
-        if entry is None or entry.promising:
+        if entry is None or entry.promising(self._backend()):
             self.quiet_segments = self.quiet_count = 0
             self.pause_backoff_s = PAUSE_FIRST_S
             return
@@ -124,12 +124,21 @@ class Pausing:
         table = self.table               # compiles_due walks the waiting keys: last
         return bool(table.compiles_in_flight or table.compiles_due)
 
+    def _backend(self) -> str:
+        return "python" if self.native is None else "cpp"
+
     def _weight(self, entry) -> int:
         if entry.state is KeyState.COMPILING or (entry.state is KeyState.WAITING and (
-                scheduling.is_due(entry) or not scheduling.worth_watching(entry))):
+                scheduling.is_due(entry) or not scheduling.worth_watching(entry,
+                                                                          self._backend()))):
             # its kernel is coming, or it banks better paused: at a control point, at once,
-            # unless a kernel runs (a pause would stop it): then as a hopeless key
-            if not self.control_points_pass():
+            # unless a kernel runs (a pause would stop it): then as a hopeless key. On the
+            # C++ backend, a key compiling or due is an ordinary quiet segment: watching its
+            # cold plan costs ~2 us an op, and watching on finds the keys not yet hot (a
+            # training loop paused at its backward's compile and never found its optimizer
+            # step, which turns hot a few steps later: Note [Lifted scalars]).
+            if not self.control_points_pass() or (
+                    self.native is not None and scheduling.worth_watching(entry, "cpp")):
                 return 1
             return HOPELESS_WEIGHT if self._kernel_ran_lately() else config.PAUSE_WINDOW
         if entry.churning:

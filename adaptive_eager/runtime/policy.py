@@ -218,6 +218,15 @@ class KeyTable:
         return self.compiles.answered
 
     @property
+    def kernels_on_trial(self) -> bool:
+        """Does a loaded kernel still wait for its verdict (Note [Side by side])? Its runs
+        alternate with per-op ones and its first pays one-time costs."""
+        if config.KEEP_UNPROFITABLE:                   # no trials
+            return False
+        with self._lock:
+            return any(not variant.entry.judged for variant in self.kernels.values())
+
+    @property
     def worker(self):
         return self.compiles.worker
 

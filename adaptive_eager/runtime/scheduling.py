@@ -15,15 +15,18 @@ compiles later the less it saves (Note [When to compile]).
 A background compile costs the program while it runs (the worker's CPU, on a small machine
 a share of the program's cores). Like renting skis before buying, a hot key's compile waits
 until the savings its per-op runs would have had fused add up to what the compile is taken to
-cost: COMPILE_COST_MS for a segment of up to OPS_PER_COMPILE_COST ops, more for longer ones
-(a compile's time grows with its graph: 3-6 s for a few ops, 17-38 s for 64): a program that
-ends sooner never pays for kernels it could not have used, one that runs on loses at most
-about that much. A key that runs often and saves much
+cost: COMPILE_COST_MS, whatever the segment's length. (Compiles on a lent core take 0.2-4 s,
+64-op GPT-2 backward chunks as 8-op chains; the first of a process 5-9 s, as the worker
+imports Inductor; the program runs about half as fast meanwhile. Scaling the cost with the
+ops, as an earlier cost model did, held a 23-op backward for minutes.) A program that ends
+sooner never pays for kernels it could not have used, one that runs on loses at most about
+that much. A key that runs often and saves much
 gets there fast (an 8M pointwise chain in a few runs); one that saves little, late. Savings
 are counted per run, not per second, so no decision depends on the wall clock.
 
 A key keeps the runtime watching while it waits only if its runs save more than watching them
-costs (WATCH_S_PER_OP an op). One that saves less lets the runtime pause, and banks meanwhile at
+costs (WATCH_S_PER_OP an op: ~55 us through Python's mode, ~2 us on the C++ backend's cold
+plans). One that saves less lets the runtime pause, and banks meanwhile at
 each control point, at the rate it was seen running (only keys seen across steps: a key seen
 twice within one step, made of per-step scalars, never comes back); the pause ends when a
 kernel lands.
@@ -42,7 +45,6 @@ from typing import Any
 from adaptive_eager.config import config
 
 FUSION_GAIN = 0.5          # share of a segment's fusible time a kernel is taken to save
-OPS_PER_COMPILE_COST = 8   # a segment this long costs COMPILE_COST_MS to compile; longer, more
 
 
 def predicted_saving_s(entry: Any) -> float:
@@ -58,18 +60,19 @@ def extern_bound(entry: Any) -> bool:
 
 def compile_cost_s(entry: Any) -> float:
     """What compiling ``entry`` is taken to cost the program (Note [When to compile])."""
-    scale = max(1.0, len(entry.segment.ops) / OPS_PER_COMPILE_COST)
-    return config.COMPILE_COST_MS / 1e3 * scale
+    return config.COMPILE_COST_MS / 1e3
 
 
-# What watching one op costs (the cold path records and keys it: ~55 us an op here,
-# bench/overhead.py). A waiting key whose runs save less than this keeps no one watching it.
-WATCH_S_PER_OP = 50e-6
+# What watching one op of a known key costs (bench/overhead.py): Python's dispatch mode records
+# and keys it (~55 us an op here); the C++ backend walks the key's cold plan (Note [Cold plans]
+# in csrc/plans.cpp: ~0.5-2 us an op). A waiting key whose runs save less than this keeps no
+# one watching it.
+WATCH_S_PER_OP = {"python": 50e-6, "cpp": 2e-6}
 
 
-def worth_watching(entry: Any) -> bool:
-    """Do ``entry``'s runs save more fused than watching them per-op costs?"""
-    return predicted_saving_s(entry) > len(entry.segment.ops) * WATCH_S_PER_OP
+def worth_watching(entry: Any, backend: str) -> bool:
+    """Do ``entry``'s runs save more fused than watching them per-op on ``backend`` costs?"""
+    return predicted_saving_s(entry) > len(entry.segment.ops) * WATCH_S_PER_OP[backend]
 
 
 def runs_per_second(entry: Any) -> float:

@@ -335,3 +335,44 @@ def test_the_default_extension_directory_and_the_cache_above_it_are_private(tmp_
     assert result.returncode == 0, result.stderr
     for directory in (tmp_path / "adaptive_eager", tmp_path / "adaptive_eager" / "ext"):
         assert directory.stat().st_mode & 0o777 == 0o700, oct(directory.stat().st_mode)
+
+
+def test_a_training_loop_watches_on_while_its_keys_wait_and_finds_its_optimizer_step(
+        compiler, fake_clock, monkeypatch):
+    """Note [When to compile] (runtime/scheduling.py): on the C++ backend, watching a waiting
+    key costs its cold plan's ~2 us an op, not Python's ~50, so a key saving 10 us an op
+    keeps the runtime watching, and the optimizer step, whose key turns hot only steps later
+    (its scalars lift first: Note [Lifted scalars]), is found. (Paused at once, as the Python
+    mode is, it never was.)"""
+    from adaptive_eager.runtime import engine, scheduling
+    monkeypatch.setattr(scheduling, "predicted_saving_s",
+                        lambda entry: len(entry.segment.ops) * 10e-6)     # per run
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x = torch.randn(32, 8)
+
+    def train(steps):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    expected = train(12)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(initial[name])
+    with config.patch(BACKEND="cpp", PAUSE=True, PAUSE_WINDOW=20, MIN_SEGMENT_US=0,
+                      MIN_US_PER_OP=0, KEEP_UNPROFITABLE=False, ASYNC=True,
+                      COMPILE_COST_MS=10**9), \
+            ae.enabled():
+        got = train(12)
+        assert not ae.is_paused() and ae.stats().pauses == 0
+        waiting = [entry for entry in engine.shared_table().entries()
+                   if entry.state.name == "WAITING"]
+        optimizer_keys = [entry for entry in waiting if any(
+            "_foreach_" in str(op.func) for op in entry.segment.ops)]
+    assert optimizer_keys, [entry.segment for entry in waiting]
+    for out, reference in zip(got, expected):
+        assert_equal(out, reference, bitwise=True)

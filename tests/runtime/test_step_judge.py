@@ -120,3 +120,21 @@ def test_a_training_loop_pauses_only_if_its_paused_steps_are_faster(fake_clock, 
         assert_equal(got, want, bitwise=True)
     for got, want in zip(model.parameters(), expected_model.parameters()):
         assert_equal(got, want, bitwise=True)
+
+
+def test_no_probe_while_a_kernel_waits_for_its_verdict(fake_clock, monkeypatch):
+    """A kernel on trial (Note [Side by side]) runs per-op beside its fused runs and pays
+    one-time costs in its first: windows timed then would not compare the runtime as it will
+    run. Here verdicts never come (the trial's judging is switched off): the judge never
+    probes, though its paused steps would be faster."""
+    from adaptive_eager.runtime import profit
+    monkeypatch.setattr(profit.ProfitTrial, "judge", lambda self, variant: None)
+    expected = _train(_model(), 160)
+    model = _model()
+    with config.patch(PAUSE=True, KEEP_UNPROFITABLE=False), ae.enabled():
+        losses = _train(model, 160, lambda paused: 0.08 if paused else 0.1, fake_clock)
+        [runtime] = engine.live_runtimes()
+        assert ae.stats().fused_executions > 0 and engine.shared_table().kernels_on_trial
+        assert runtime.judge.verdicts == 0 and runtime.judge.last_times == (0.0, 0.0)
+    for got, want in zip(losses, expected):
+        assert_equal(got, want, bitwise=True)

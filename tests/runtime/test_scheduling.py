@@ -1,0 +1,30 @@
+"""When a hot key compiles (Note [When to compile] in runtime/scheduling.py)."""
+from types import SimpleNamespace
+
+import pytest
+
+from adaptive_eager.config import config
+from adaptive_eager.runtime import scheduling
+
+
+def _waiting_key(ops: int, banked_s: float) -> SimpleNamespace:
+    return SimpleNamespace(segment=SimpleNamespace(ops=[None] * ops), banked_s=banked_s)
+
+
+@pytest.mark.parametrize("ops", [2, 8, 23, 64])
+def test_a_compile_costs_the_same_whatever_the_segments_length(ops):
+    """Compiles take 0.2-4 s on a lent core whether a segment has 8 ops or 64: a key is due
+    once it banked COMPILE_COST_MS, however long."""
+    with config.patch(COMPILE_COST_MS=2000):
+        assert not scheduling.is_due(_waiting_key(ops, banked_s=1.99))
+        assert scheduling.is_due(_waiting_key(ops, banked_s=2.0))
+
+
+def test_watching_a_key_costs_less_on_the_cpp_backend(monkeypatch):
+    """A key saving 10 us an op is worth watching through C++'s cold plans (~2 us an op),
+    not through Python's dispatch mode (~50 us an op)."""
+    monkeypatch.setattr(scheduling, "predicted_saving_s",
+                        lambda entry: len(entry.segment.ops) * 10e-6)
+    key = _waiting_key(23, banked_s=0.0)
+    assert scheduling.worth_watching(key, "cpp")
+    assert not scheduling.worth_watching(key, "python")
