@@ -70,6 +70,8 @@ class Enabled:
         if (self.phase, phase) not in _MOVES:
             raise InvalidTransition(f"adaptive_eager: no move from {self.phase.value} to "
                                     f"{phase.value} (please report this bug)")
+        if phase is Phase.PAUSED:
+            control.pause_begun()
         self.phase = phase
 
 
@@ -130,6 +132,7 @@ def push(runtime) -> Enabled:
     _thread.stack.append(enabled)
     if _recall_pause(enabled):
         enabled.phase = Phase.PAUSED
+        control.pause_begun()
         enabled.interceptor.deactivate(unseen=_thread.memory.unseen)
     else:
         enabled.interceptor.activate()

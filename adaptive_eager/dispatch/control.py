@@ -26,6 +26,20 @@ _module_hook = None
 _points_passed = 0       # permanent control points passed, any thread (a hint, not a count)
 
 
+_pauses_begun = 0        # pauses begun, any thread (a hint: see pauses_begun)
+
+
+def pause_begun() -> None:
+    global _pauses_begun
+    _pauses_begun += 1
+
+
+def pauses_begun() -> int:
+    """How many pauses began: a key seen before and after a change of this count was not
+    watched in between, so the time between the two sightings says nothing of its rate."""
+    return _pauses_begun
+
+
 def points_passed() -> int:
     """How many permanent control points the program has passed: a runtime that saw this
     move knows its program comes back to one (and so can wait paused for a kernel)."""

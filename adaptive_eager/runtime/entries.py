@@ -74,6 +74,11 @@ class KeyEntry:
     last_point: int = 0                # control.points_passed() then: did it recur across
                                        # steps (Note [When to compile])?
     credited_at: float = 0.0           # its banked savings run up to here
+    # Its latest watched stretch (no pause began within it): when it began, ``seen`` then,
+    # and control.pauses_begun() then. Its rate is measured there (scheduling.runs_per_second)
+    stretch_start: float = 0.0
+    stretch_seen: int = 0
+    stretch_pauses: int = -1
     seen_noted: int = 0                # of ``seen``, how many the disk cache was told of
     cold_plan: int | None = None       # the C++ cold plan running it (Note [Cold plans])
     cold_refused: bool = False         # C++ cannot, or should not, run it cold
@@ -149,6 +154,14 @@ class KeyEntry:
         """A new key of a structure already seen in several shapes: shapes keep changing."""
         return self.seen == 1 and self.structure is not None \
             and self.structure.variants >= CHURN_VARIANTS
+
+    def sighted(self, runs: int) -> None:
+        """``runs`` more runs seen now (KeyBook.sight, sight_again)."""
+        now, pauses = clock.monotonic(), control.pauses_begun()
+        if pauses != self.stretch_pauses:          # the first sighting since a pause began
+            self.stretch_start, self.stretch_seen, self.stretch_pauses = now, self.seen, pauses
+        self.seen += runs
+        self.last_seen, self.last_point = now, control.points_passed()
 
     def add_sample(self, samples: list, seconds: float) -> None:
         samples.append(seconds)

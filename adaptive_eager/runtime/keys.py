@@ -13,8 +13,7 @@ from typing import Callable
 import cachetools
 
 from adaptive_eager.config import config
-from adaptive_eager.dispatch import control
-from adaptive_eager.runtime import clock, scalars
+from adaptive_eager.runtime import scalars
 from adaptive_eager.runtime.decisions import decide, logged as decision_logged
 from adaptive_eager.runtime.entries import KeyEntry, KeyState, Structure, structure_of
 from adaptive_eager.runtime.records import Records
@@ -59,8 +58,7 @@ class KeyBook:
             self._forget_least_recent()
         else:
             self._entries.move_to_end(segment.key)
-        entry.seen += 1
-        entry.last_seen, entry.last_point = clock.monotonic(), control.points_passed()
+        entry.sighted(1)
         if entry.seen == 2:
             self._seen_once.pop(segment.key, None)
         if not entry.recalled and (entry.seen >= 2 or config.HOT_THRESHOLD <= 1):
@@ -77,8 +75,7 @@ class KeyBook:
         if entry.seen - entry.renewed_at >= RECENCY_RUNS:
             entry.renewed_at = entry.seen
             self._entries.move_to_end(entry.segment.key)
-        entry.seen += runs
-        entry.last_seen, entry.last_point = clock.monotonic(), control.points_passed()
+        entry.sighted(runs)
         return True
 
     def _forget_least_recent(self) -> None:

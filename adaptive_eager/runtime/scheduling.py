@@ -27,9 +27,9 @@ are counted per run, not per second, so no decision depends on the wall clock.
 A key keeps the runtime watching while it waits only if its runs save more than watching them
 costs (WATCH_S_PER_OP an op: ~55 us through Python's mode, ~2 us on the C++ backend's cold
 plans). One that saves less lets the runtime pause, and banks meanwhile at
-each control point, at the rate it was seen running (only keys seen across steps: a key seen
-twice within one step, made of per-step scalars, never comes back); the pause ends when a
-kernel lands.
+each control point, at the rate it was seen running while watched (runs_per_second; only keys
+seen across steps: a key seen twice within one step, made of per-step scalars, never comes
+back); the pause ends when a kernel lands. Any pause (the step judge's too) banks so.
 
 Due keys compile one at a time, the one that banked the most savings first (the worker
 compiles one graph at a time anyway; queued in the worker they would go first come, first
@@ -76,11 +76,20 @@ def worth_watching(entry: Any, backend: str) -> bool:
 
 
 def runs_per_second(entry: Any) -> float:
-    """How often ``entry`` ran, over the steps it was seen in; 0 for a key seen within one
-    step only (keys made of per-step scalars: they never come back)."""
+    """How often ``entry`` ran while watched: over its latest watched stretch (no pause in
+    it) once that holds a few runs, else since it was first seen (which pauses dilute: a
+    training loop's optimizer key, credited at a tenth of its rate, waited minutes paused);
+    0 for a key seen within one step only (keys made of per-step scalars: they never come
+    back)."""
     if entry.last_point == entry.first_point or entry.seen < 2:
         return 0.0
+    runs_after_start = entry.seen - entry.stretch_seen - 1
+    if runs_after_start >= MIN_STRETCH_RUNS and entry.last_seen > entry.stretch_start:
+        return runs_after_start / (entry.last_seen - entry.stretch_start)
     return (entry.seen - 1) / max(entry.last_seen - entry.first_seen, 1e-6)
+
+
+MIN_STRETCH_RUNS = 4      # runs in a watched stretch that measure a key's rate
 
 
 def is_due(entry: Any) -> bool:

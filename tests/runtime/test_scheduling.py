@@ -28,3 +28,25 @@ def test_watching_a_key_costs_less_on_the_cpp_backend(monkeypatch):
     key = _waiting_key(23, banked_s=0.0)
     assert scheduling.worth_watching(key, "cpp")
     assert not scheduling.worth_watching(key, "python")
+
+
+def test_a_keys_rate_is_measured_while_watched_not_across_pauses(fake_clock):
+    """Note [When to compile]: while paused, a waiting key banks at the rate it ran while
+    watched. Seen 10 times a second for 2 s, then paused for 60 s, then seen 10 times a
+    second again: its rate is 10 runs a second, not the ~1 a second of its whole history."""
+    from adaptive_eager.dispatch import control
+    from adaptive_eager.runtime.entries import KeyEntry
+    control.permanent_point()
+    entry = KeyEntry(segment=None)
+
+    def watched(runs):
+        for _ in range(runs):
+            fake_clock.advance(0.1)
+            entry.sighted(1)
+            control.permanent_point()
+    watched(20)
+    assert scheduling.runs_per_second(entry) == pytest.approx(10, rel=0.01)
+    control.pause_begun()
+    fake_clock.advance(60.0)
+    watched(5)
+    assert scheduling.runs_per_second(entry) == pytest.approx(10, rel=0.01)
