@@ -35,8 +35,9 @@ def pause_begun() -> None:
 
 
 def pauses_begun() -> int:
-    """How many pauses began: a key seen before and after a change of this count was not
-    watched in between, so the time between the two sightings says nothing of its rate."""
+    """How many pauses began (the runtime's own; not ``ae.paused()`` blocks, short and the
+    program's): a key seen before and after a change of this count was not watched in
+    between, so the time between the two sightings says nothing of its rate."""
     return _pauses_begun
 
 

@@ -26,10 +26,11 @@ PAUSE_LONGEST_S = 64.0    # ...up to this
 # iteration, as long as the kernel pays for the interception around it (Runtime._watch_kernel),
 # and beside it a few small dynamic segments must not fill it (pausing would stop the kernel
 # too): so no pause comes from fewer than MIN_QUIET_SEGMENTS segments, which lets up to 3 of
-# them sit beside a kernel. A key compiling or waiting to, in a program that passes
-# control points (the way back), is the whole window at once: the loop's kernel is coming,
-# and on a small machine each step watched meanwhile costs about twice a plain step (keys not
-# yet hot are found after the pause). A program that passes no control point (a bare loop)
+# them sit beside a kernel. On the Python backend, a key compiling or waiting to, in a
+# program that passes control points (the way back), is the whole window at once: the loop's
+# kernel is coming, and each step watched meanwhile costs about twice a plain step (keys not
+# yet hot are found after the pause). On the C++ backend such a key weighs 1: watching its
+# cold plan costs ~2 us an op, and keys not yet hot are found now (_weight). A program that passes no control point (a bare loop)
 # never pauses while compiles wait or run: Note [No pause without a way back].
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
