@@ -29,8 +29,8 @@ PAUSE_LONGEST_S = 64.0    # ...up to this
 # them sit beside a kernel. On the Python backend, a key compiling or waiting to, in a
 # program that passes control points (the way back), is the whole window at once: the loop's
 # kernel is coming, and each step watched meanwhile costs about twice a plain step (keys not
-# yet hot are found after the pause). On the C++ backend such a key weighs 1: watching its
-# cold plan costs ~2 us an op, and keys not yet hot are found now (_weight). A program that passes no control point (a bare loop)
+# yet hot are found after the pause). On the C++ backend such a key, if it saves more than
+# watching costs there, weighs 1: keys not yet hot are found now (_weight). A program that passes no control point (a bare loop)
 # never pauses while compiles wait or run: Note [No pause without a way back].
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
@@ -134,8 +134,8 @@ class Pausing:
                                                                           self._backend()))):
             # its kernel is coming, or it banks better paused: at a control point, at once,
             # unless a kernel runs (a pause would stop it): then as a hopeless key. On the
-            # C++ backend, a key compiling or due is an ordinary quiet segment: watching its
-            # cold plan costs ~2 us an op, and watching on finds the keys not yet hot (a
+            # C++ backend, a key compiling or due that saves more than watching costs there is
+            # an ordinary quiet segment: watching on finds the keys not yet hot (a
             # training loop paused at its backward's compile and never found its optimizer
             # step, which turns hot a few steps later: Note [Lifted scalars]).
             if not self.control_points_pass() or (

@@ -25,8 +25,7 @@ gets there fast (an 8M pointwise chain in a few runs); one that saves little, la
 are counted per run, not per second, so no decision depends on the wall clock.
 
 A key keeps the runtime watching while it waits only if its runs save more than watching them
-costs (WATCH_S_PER_OP an op: ~55 us through Python's mode, ~2 us on the C++ backend's cold
-plans). One that saves less lets the runtime pause, and banks meanwhile at
+costs (WATCH_S_PER_OP an op: ~55 us through Python's mode, ~10 us on the C++ backend). One that saves less lets the runtime pause, and banks meanwhile at
 each control point, at the rate it was seen running while watched (runs_per_second; only keys
 seen across steps: a key seen twice within one step, made of per-step scalars, never comes
 back); the pause ends when a kernel lands. Any pause (the step judge's too) banks so.
@@ -63,11 +62,13 @@ def compile_cost_s(entry: Any) -> float:
     return config.COMPILE_COST_MS / 1e3
 
 
-# What watching one op of a known key costs (bench/overhead.py): Python's dispatch mode records
-# and keys it (~55 us an op here); the C++ backend walks the key's cold plan (Note [Cold plans]
-# in csrc/plans.cpp: ~0.5-2 us an op). A waiting key whose runs save less than this keeps no
-# one watching it.
-WATCH_S_PER_OP = {"python": 50e-6, "cpp": 2e-6}
+# What watching a program costs, per op of a key: through Python's dispatch mode, which records
+# and keys each op, ~55 us (bench/overhead.py); on the C++ backend, whose cold plans run known
+# keys (Note [Cold plans] in csrc/plans.cpp: ~0.5-2 us an op), ~10 us all told (harvests, ops
+# aside, the keys Python still records): measured ~11 us an op over a small MLP's first
+# training steps, 8-10 on GPT-2's. A waiting key whose runs save less than this keeps no one
+# watching it.
+WATCH_S_PER_OP = {"python": 50e-6, "cpp": 10e-6}
 
 
 def worth_watching(entry: Any, backend: str) -> bool:

@@ -21,10 +21,10 @@ def test_a_compile_costs_the_same_whatever_the_segments_length(ops):
 
 
 def test_watching_a_key_costs_less_on_the_cpp_backend(monkeypatch):
-    """A key saving 10 us an op is worth watching through C++'s cold plans (~2 us an op),
-    not through Python's dispatch mode (~50 us an op)."""
+    """A key saving 20 us an op is worth watching on the C++ backend (~10 us an op), not
+    through Python's dispatch mode (~50 us an op)."""
     monkeypatch.setattr(scheduling, "predicted_saving_s",
-                        lambda entry: len(entry.segment.ops) * 10e-6)
+                        lambda entry: len(entry.segment.ops) * 20e-6)
     key = _waiting_key(23, banked_s=0.0)
     assert scheduling.worth_watching(key, "cpp")
     assert not scheduling.worth_watching(key, "python")
