@@ -30,8 +30,9 @@ PAUSE_LONGEST_S = 64.0    # ...up to this
 # program that passes control points (the way back), is the whole window at once: the loop's
 # kernel is coming, and each step watched meanwhile costs about twice a plain step (keys not
 # yet hot are found after the pause). On the C++ backend such a key, if it saves more than
-# watching costs there, weighs 1: keys not yet hot are found now (_weight). A program that passes no control point (a bare loop)
-# never pauses while compiles wait or run: Note [No pause without a way back].
+# watching costs there, weighs 1: keys not yet hot are found now (_weight). A program that
+# passes no control point (a bare loop) never pauses while compiles wait or run: Note [No
+# pause without a way back].
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
 CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT

@@ -25,10 +25,11 @@ gets there fast (an 8M pointwise chain in a few runs); one that saves little, la
 are counted per run, not per second, so no decision depends on the wall clock.
 
 A key keeps the runtime watching while it waits only if its runs save more than watching them
-costs (WATCH_S_PER_OP an op: ~55 us through Python's mode, ~10 us on the C++ backend). One that saves less lets the runtime pause, and banks meanwhile at
-each control point, at the rate it was seen running while watched (runs_per_second; only keys
-seen across steps: a key seen twice within one step, made of per-step scalars, never comes
-back); the pause ends when a kernel lands. Any pause (the step judge's too) banks so.
+costs (WATCH_S_PER_OP an op: ~55 us through Python's mode, ~10 us on the C++ backend). One
+that saves less lets the runtime pause, and banks meanwhile at each control point, at the
+rate it was seen running while watched (runs_per_second; only keys seen across steps: a key
+seen twice within one step, made of per-step scalars, never comes back); the pause ends when
+a kernel lands. Any pause (the step judge's too) banks so.
 
 Due keys compile one at a time, the one that banked the most savings first (the worker
 compiles one graph at a time anyway; queued in the worker they would go first come, first
