@@ -26,11 +26,11 @@ PAUSE_LONGEST_S = 64.0    # ...up to this
 # iteration, as long as the kernel pays for the interception around it (Runtime._watch_kernel),
 # and beside it a few small dynamic segments must not fill it (pausing would stop the kernel
 # too): so no pause comes from fewer than MIN_QUIET_SEGMENTS segments, which lets up to 3 of
-# them sit beside a kernel. On the Python backend, a key compiling or waiting to, in a
-# program that passes control points (the way back), is the whole window at once: the loop's
-# kernel is coming, and each step watched meanwhile costs about twice a plain step (keys not
-# yet hot are found after the pause). On the C++ backend such a key, if it saves more than
-# watching costs there, weighs 1: keys not yet hot are found now (_weight). A program that
+# them sit beside a kernel. A key compiling or due to, in a program that passes control
+# points (the way back), is the whole window at once: the loop's kernel is coming (keys not
+# yet hot are found after the pause). A key waiting, not yet due, keeps the runtime watching if
+# its runs save more than watching them costs (scheduling.worth_watching: ~10 us an op on the
+# C++ backend, ~55 through Python's mode), else it too is the whole window. A program that
 # passes no control point (a bare loop) never pauses while compiles wait or run: Note [No
 # pause without a way back].
 HOPELESS_WEIGHT = 8
@@ -134,13 +134,8 @@ class Pausing:
                 scheduling.is_due(entry) or not scheduling.worth_watching(entry,
                                                                           self._backend()))):
             # its kernel is coming, or it banks better paused: at a control point, at once,
-            # unless a kernel runs (a pause would stop it): then as a hopeless key. On the
-            # C++ backend, a key compiling or due that saves more than watching costs there is
-            # an ordinary quiet segment: watching on finds the keys not yet hot (a
-            # training loop paused at its backward's compile and never found its optimizer
-            # step, which turns hot a few steps later: Note [Lifted scalars]).
-            if not self.control_points_pass() or (
-                    self.native is not None and scheduling.worth_watching(entry, "cpp")):
+            # unless a kernel runs (a pause would stop it): then as a hopeless key
+            if not self.control_points_pass():
                 return 1
             return HOPELESS_WEIGHT if self._kernel_ran_lately() else config.PAUSE_WINDOW
         if entry.churning:
