@@ -50,6 +50,7 @@ class Phase(enum.Enum):
 
 _MOVES = {(Phase.INTERCEPTING, Phase.PAUSED), (Phase.PAUSED, Phase.INTERCEPTING),
           (Phase.INTERCEPTING, Phase.ASIDE), (Phase.ASIDE, Phase.INTERCEPTING),
+          (Phase.PAUSED, Phase.ASIDE), (Phase.ASIDE, Phase.PAUSED),
           (Phase.INTERCEPTING, Phase.SITTING_OUT), (Phase.SITTING_OUT, Phase.INTERCEPTING),
           *((phase, Phase.STOOD_ASIDE) for phase in Phase)}
 
@@ -65,6 +66,7 @@ class Enabled:
     interceptor: object
     phase: Phase = Phase.INTERCEPTING
     paused_until: float = 0.0            # PAUSED: clock.monotonic() when the pause ends
+    aside_from: Phase = Phase.INTERCEPTING   # ASIDE: the phase ae.paused() goes back to
 
     def move(self, phase: Phase) -> None:
         if (self.phase, phase) not in _MOVES:
@@ -133,7 +135,7 @@ def push(runtime) -> Enabled:
     if _recall_pause(enabled):
         enabled.phase = Phase.PAUSED
         control.pause_begun()
-        enabled.interceptor.deactivate(unseen=_thread.memory.unseen)
+        enabled.interceptor.deactivate(unseen=_thread.memory.unseen, kernels=True)
     else:
         enabled.interceptor.activate()
     return enabled
@@ -179,9 +181,20 @@ def forget_pauses() -> None:
 
 def step_aside() -> Enabled | None:
     """Finish this thread's deferred work and stop intercepting (``ae.paused()``): the
-    enable() moved ASIDE, or None when not enabled, not intercepting, or another mode is on
-    top."""
-    return _stop_intercepting(Phase.ASIDE)
+    enable() moved ASIDE, or None when not enabled, paused without kernels, or another mode is
+    on top. A pause that runs its kernels (Note [Kernels while paused] in csrc/hot_path.cpp)
+    stops them for the block, and goes on after it."""
+    enabled = top()
+    if enabled is not None and enabled.phase is Phase.PAUSED and enabled.interceptor.kernels:
+        enabled.runtime.flush()
+        enabled.interceptor.deactivate()
+        enabled.move(Phase.ASIDE)
+        enabled.aside_from = Phase.PAUSED
+        return enabled
+    enabled = _stop_intercepting(Phase.ASIDE)
+    if enabled is not None:
+        enabled.aside_from = Phase.INTERCEPTING
+    return enabled
 
 
 def _stop_intercepting(phase: Phase) -> Enabled | None:
@@ -200,8 +213,12 @@ def _stop_intercepting(phase: Phase) -> Enabled | None:
 
 
 def step_back(enabled: Enabled) -> None:
-    if enabled.phase is Phase.ASIDE:           # (a fork in the block stood it aside)
-        enabled.move(Phase.INTERCEPTING)
+    if enabled.phase is not Phase.ASIDE:       # (a fork in the block stood it aside)
+        return
+    enabled.move(enabled.aside_from)
+    if enabled.phase is Phase.PAUSED:
+        enabled.interceptor.deactivate(kernels=True)
+    else:
         enabled.interceptor.activate()
 
 
@@ -302,7 +319,7 @@ def _judged_by_the_step(enabled) -> bool:
 
 def _pause(enabled, seconds: float) -> None:
     """Stop intercepting for ``seconds`` (control_point flushed the runtime already)."""
-    enabled.interceptor.deactivate(unseen=enabled.runtime.control_points_pass())
+    enabled.interceptor.deactivate(unseen=enabled.runtime.control_points_pass(), kernels=True)
     enabled.move(Phase.PAUSED)
     enabled.paused_until = clock.monotonic() + seconds
 

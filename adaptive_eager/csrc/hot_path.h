@@ -11,7 +11,11 @@ namespace adaptive_eager {
 // stack; false: Python must see it (any deferred run has been ended first).
 bool hot_path_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
 
-// Is this thread paused (passing ops straight through: intercept.cpp)?
+// An op of a thread paused with its kernels on (Note [Kernels while paused]). True: deferred
+// here; false: it passes straight through (any deferred run has been ended first).
+bool paused_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack);
+
+// Is this thread paused (passing ops straight through, but for its kernels: intercept.cpp)?
 bool thread_paused();
 
 // Does this thread run on the C++ hot path with no segment open, neither Python's nor a run

@@ -48,6 +48,7 @@ int64_t g_resume_every = 1024;
 std::unique_ptr<torch::Library> g_library;
 
 thread_local bool t_paused = false;
+thread_local bool t_paused_kernels = false;   // Note [Kernels while paused] (hot_path.cpp)
 thread_local int64_t t_paused_ops = 0;
 
 void pass_through(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
@@ -203,7 +204,10 @@ std::vector<int64_t> take_idle_counts() {
 void fallback(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
   if (t_paused) {
     if (++t_paused_ops >= g_resume_every) ask_resume();
-    return pass_through(op, ks, stack);
+    if (t_paused) {           // (else it resumed just now: this op is intercepted)
+      if (t_paused_kernels && adaptive_eager::paused_op(op, ks, stack)) return;
+      return pass_through(op, ks, stack);
+    }
   }
   // Exceptions, passed straight through:
   // - meta tensors (FakeTensor propagation while Dynamo, AOTAutograd or make_fx traces: their
@@ -280,10 +284,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     c10::impl::tls_set_dispatch_key_excluded(kKey, on);
     return previous;
   }, "Exclude the key on this thread (ops the runtime runs itself); returns the previous state.");
-  m.def("set_paused", [](bool on) {
+  m.def("set_paused", [](bool on, bool kernels) {
     t_paused = on;
+    t_paused_kernels = on && kernels;
     t_paused_ops = 0;
-  }, "Pass this thread's ops straight through (asking should_resume now and then).");
+  }, py::arg("on"), py::arg("kernels") = false,
+     "Pass this thread's ops straight through (asking should_resume now and then); with "
+     "`kernels`, but for the settled kernels' segments (Note [Kernels while paused]).");
   m.def("is_paused", [] { return t_paused; });
   m.def("pass_when_idle", &add_idle_op,
         "Run this op (name, overload, is it a host sync) straight through on a thread with no "

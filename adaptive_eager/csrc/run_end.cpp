@@ -2,6 +2,7 @@
 // through Python, or from here: Note [Launching from C++] in runtime/direct_call.py),
 // replayed per-op for a kernel's trial, or handed to Python's engine (takeover); a cold one
 // counted against its plan (Note [Cold plans] in plans.cpp), with a harvest now and then.
+#include "hot_path.h"
 #include "run.h"
 
 #include <ATen/record_function.h>
@@ -382,6 +383,13 @@ void go_on_cold(Run& run, Run& current) {
   std::swap(run, current);          // the thread's run again (`run` is cleared when ended)
 }
 
+// Note [Kernels while paused] (hot_path.cpp): Python's engine is off; the run's ops are
+// replayed here, as a divergence's are.
+void replay_paused(Run& run, const Plan* plan) {
+  g_divergences.fetch_add(1, std::memory_order_relaxed);
+  replay_run(run, plan != nullptr ? *plan : *run.node->any_plan);
+}
+
 }  // namespace
 
 void end_run(Run& current) {
@@ -412,6 +420,7 @@ void end_run(Run& current) {
         break;
     }
   }
+  if (thread_paused()) return replay_paused(run, plan);
   if (plan == nullptr) return go_on_cold(run, current);
   take_over(run);
 }

@@ -47,8 +47,9 @@ class PythonInterceptor:
         self.mode.__enter__()
 
     unseen = False     # (CppInterceptor's sense; a paused mode is off the stack anyway)
+    kernels = False    # (a paused mode runs none)
 
-    def deactivate(self, unseen: bool = False) -> None:
+    def deactivate(self, unseen: bool = False, kernels: bool = False) -> None:
         if self.is_active():                        # off the stack, its ops pass unseen
             self.mode.__exit__(None, None, None)
 
@@ -78,6 +79,7 @@ class CppInterceptor:
         self.ext = ext
         self.active = False
         self.unseen = False                # paused with the key out of the dispatch set
+        self.kernels = False               # paused, running its kernels (deactivate)
         self.in_op = False
         # What this thread had before (an outer enable()), restored by close().
         self._outer = getattr(_local, "top", None)
@@ -89,19 +91,23 @@ class CppInterceptor:
         _local.top = self
 
     def activate(self) -> None:
-        self.active, self.unseen = True, False
+        self.active, self.unseen, self.kernels = True, False, False
         self.ext.set_included(True)
         self.ext.set_paused(False)
 
-    def deactivate(self, unseen: bool = False) -> None:
+    def deactivate(self, unseen: bool = False, kernels: bool = False) -> None:
         """Pass this thread's ops straight through. They still reach the extension's
         fallback, which counts them to ask now and then whether the pause is over (a bare
-        loop passes no control point); ``unseen``, for a program that comes back to control
-        points, takes the key out of the thread's dispatch set too: a paused op then costs
-        nothing (the boxed pass-through cost ~1 us an op, 5% of a small training step)."""
-        self.active, self.unseen = False, unseen
-        self.ext.set_paused(True)
-        if unseen:
+        loop passes no control point); ``kernels`` (the runtime's own pauses) still runs the
+        kernels C++ knows, if any (Note [Kernels while paused] in csrc/hot_path.cpp); else
+        ``unseen``, for a program that comes back to control points, takes the key out of the
+        thread's dispatch set too: a paused op then costs nothing (the boxed pass-through cost
+        ~1 us an op, 5% of a small training step)."""
+        kernels = kernels and self.ext.has_kernels()
+        self.active, self.unseen = False, unseen and not kernels
+        self.kernels = kernels
+        self.ext.set_paused(True, kernels)
+        if self.unseen:
             self.ext.set_included(False)
 
     def is_active(self) -> bool:

@@ -376,3 +376,59 @@ def test_a_training_loop_watches_on_while_its_keys_wait_and_finds_its_optimizer_
     assert optimizer_keys, [entry.segment for entry in waiting]
     for out, reference in zip(got, expected):
         assert_equal(out, reference, bitwise=True)
+
+
+def test_a_paused_training_loop_still_runs_its_kernels(compiler, fake_clock):
+    """Note [Kernels while paused] (csrc/hot_path.cpp): once the step judge pauses a training
+    loop (its paused steps are stated faster), the loop's kernels still run, from C++, with
+    the key in the thread's dispatch set; ``ae.paused()`` inside the pause is plain eager, and
+    the pause goes on after it. Results are eager's, bitwise (the stand-in compiler)."""
+    from adaptive_eager.runtime import engine
+    ext = native.loaded()
+
+    def train(model, steps, on_step=None):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        losses = []
+        for step in range(steps):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if on_step is not None:
+                on_step(step)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                   torch.nn.Linear(64, 8))
+    x, y = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)), torch.zeros(16, 8)
+    expected_model = model()
+    expected = train(expected_model, 200)
+    fused_while_paused, plain_in_block = [], []
+
+    def on_step(step):
+        fake_clock.advance(0.08 if ae.is_paused() else 0.1)
+        if not ae.is_paused():
+            return
+        assert ext.is_paused() and ext.is_included()
+        fused_while_paused.append(ae.stats().fused_executions)
+        if step % 10 == 0:
+            with ae.paused():
+                before = ae.stats().fused_executions   # (a pending run ended on entry)
+                torch.nn.functional.mse_loss(got_model(x), y)   # a segment the kernels had
+                plain_in_block.append(ae.stats().fused_executions - before)
+            assert ae.is_paused() and ext.is_included()   # the pause goes on after the block
+    got_model = model()
+    with config.patch(BACKEND="cpp", PAUSE=True), ae.enabled():
+        losses = train(got_model, 200, on_step)
+        [runtime] = engine.live_runtimes()
+        assert runtime.judge.verdicts >= 1
+    assert len(fused_while_paused) > 20
+    assert fused_while_paused[-1] - fused_while_paused[0] >= len(fused_while_paused) - 1
+    assert plain_in_block and set(plain_in_block) == {0}
+    for got, want in zip(losses, expected):
+        assert_equal(got, want, bitwise=True)
+    for got, want in zip(got_model.parameters(), expected_model.parameters()):
+        assert_equal(got, want, bitwise=True)

@@ -14,6 +14,7 @@ from helpers import chain
     (Phase.INTERCEPTING, Phase.ASIDE), (Phase.ASIDE, Phase.INTERCEPTING),
     (Phase.INTERCEPTING, Phase.SITTING_OUT), (Phase.SITTING_OUT, Phase.INTERCEPTING),
     (Phase.PAUSED, Phase.STOOD_ASIDE), (Phase.STOOD_ASIDE, Phase.STOOD_ASIDE),
+    (Phase.PAUSED, Phase.ASIDE), (Phase.ASIDE, Phase.PAUSED),   # ae.paused() while paused
 ])
 def test_the_listed_moves_are_made(start, end):
     enabled = Enabled(runtime=None, interceptor=None, phase=start)
@@ -22,7 +23,7 @@ def test_the_listed_moves_are_made(start, end):
 
 
 @pytest.mark.parametrize("start, end", [
-    (Phase.PAUSED, Phase.ASIDE), (Phase.ASIDE, Phase.PAUSED),
+    (Phase.PAUSED, Phase.SITTING_OUT), (Phase.ASIDE, Phase.SITTING_OUT),
     (Phase.SITTING_OUT, Phase.PAUSED), (Phase.STOOD_ASIDE, Phase.INTERCEPTING),
 ])
 def test_any_other_move_is_a_bug_that_says_so(start, end):
