@@ -74,10 +74,11 @@ class KeyEntry:
     last_point: int = 0                # control.points_passed() then: did it recur across
                                        # steps (Note [When to compile])?
     credited_at: float = 0.0           # its banked savings run up to here
-    # Its latest watched stretch (no pause began within it): when it began, ``seen`` then,
-    # and control.pauses_begun() then. Its rate is measured there (scheduling.runs_per_second)
-    stretch_start: float = 0.0
-    stretch_seen: int = 0
+    # Its runs seen after an earlier one with no pause begun in between, and the seconds
+    # since that earlier one: its rate while watched (scheduling.runs_per_second), summed over
+    # its watched stretches, however short; control.pauses_begun() at its latest sighting
+    watched_runs: int = 0
+    watched_s: float = 0.0
     stretch_pauses: int = -1
     seen_noted: int = 0                # of ``seen``, how many the disk cache was told of
     cold_plan: int | None = None       # the C++ cold plan running it (Note [Cold plans])
@@ -158,8 +159,10 @@ class KeyEntry:
     def sighted(self, runs: int) -> None:
         """``runs`` more runs seen now (KeyBook.sight, sight_again)."""
         now, pauses = clock.monotonic(), control.pauses_begun()
-        if pauses != self.stretch_pauses:          # the first sighting since a pause began
-            self.stretch_start, self.stretch_seen, self.stretch_pauses = now, self.seen, pauses
+        if pauses == self.stretch_pauses and self.seen:   # watched since its last sighting
+            self.watched_runs += runs
+            self.watched_s += now - self.last_seen
+        self.stretch_pauses = pauses
         self.seen += runs
         self.last_seen, self.last_point = now, control.points_passed()
 

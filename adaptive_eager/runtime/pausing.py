@@ -37,6 +37,13 @@ HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
 CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT
 MIN_QUIET_SEGMENTS = 4
+# A pause needs the program to have passed this many control points since the runtime last
+# resumed (or started), where it passes any: a whole-window key in a step's forward (GPT-2's
+# 64-op chunks, waiting and not worth watching) paused the runtime before that step's
+# optimizer step every time, so AdamW's key, which turns hot on its second watched step (its
+# scalars lift first: Note [Lifted scalars]), was seen once in 90 s and never compiled. Three
+# points (backward, optimizer step, backward) watch each phase of a step at least once.
+POINTS_BEFORE_PAUSE = 3
 # Interception charged to a per-op segment (Runtime._watch_kernel) is its wall time beyond its
 # ops' own, at most this per op: about twice what recording costs here (~40-75 us an op), so
 # the program's own code between two ops of a segment (data loading, logging) is not taken
@@ -52,6 +59,7 @@ class Pausing:
         self.quiet_segments = 0                   # their weight, see Note [Pausing]
         self.quiet_count = 0                      # and how many
         self.unpaid_s = 0.0                       # interception kernels have not paid for
+        self._points_at_resume = control.points_passed()   # (POINTS_BEFORE_PAUSE)
         self._points_seen = control.points_passed()   # at the last segment end, and the
         self._segments_since_point = config.PAUSE_WINDOW   # segments since it moved (none yet)
         self._segments_since_kernel = config.PAUSE_WINDOW  # and since a kernel last ran
@@ -109,10 +117,16 @@ class Pausing:
         self.quiet_count += runs
         enough = self.quiet_count >= MIN_QUIET_SEGMENTS or weight >= config.PAUSE_WINDOW
         if self.quiet_segments >= config.PAUSE_WINDOW and enough and config.PAUSE and \
-                not self.pause_requested:
+                not self.pause_requested and self._watched_each_phase():
             self.pause_requested = True
             decide("pause_requested", segments=self.quiet_segments)
             control.pause_requested()
+
+    def _watched_each_phase(self) -> bool:
+        """POINTS_BEFORE_PAUSE: has the program passed enough control points since the last
+        resume (or passed none lately: a bare loop)?"""
+        passed = control.points_passed() - self._points_at_resume
+        return passed >= POINTS_BEFORE_PAUSE or not self.control_points_pass()
 
     def _kernels_pending_without_way_back(self) -> bool:
         """Note [No pause without a way back]: a pause takes effect and ends at control
@@ -192,6 +206,7 @@ class Pausing:
         (_weight) for PAUSE_WINDOW segments. Without that, a training loop resumed at its
         optimizer step paused again within that step, before its forward, whose kernel had
         landed, ever ran fused."""
+        self._points_at_resume = control.points_passed()
         if kernel_landed:
             self._segments_since_kernel = 0
 

@@ -78,21 +78,21 @@ def worth_watching(entry: Any, backend: str) -> bool:
 
 
 def runs_per_second(entry: Any) -> float:
-    """How often ``entry`` ran while watched: over its latest watched stretch (no pause in
-    it) once that holds a few runs, else since it was first seen (which pauses dilute: a
-    training loop's optimizer key, credited so at a fifth of its rate, waited ~40 s instead
-    of ~13);
-    0 for a key seen within one step only (keys made of per-step scalars: they never come
-    back)."""
+    """How often ``entry`` ran while watched: its runs that followed an earlier one with
+    no pause in between, over the time since that one, once there are a few, summed over
+    every watched stretch (a resumed runtime may watch only a step or two before it pauses
+    again: POINTS_BEFORE_PAUSE in runtime/pausing.py); else since it was first seen, which
+    pauses dilute (GPT-2's optimizer key, credited so at a tenth of its rate, was still
+    waiting after 90 s). 0 for a key seen within one step only (keys made of per-step
+    scalars: they never come back)."""
     if entry.last_point == entry.first_point or entry.seen < 2:
         return 0.0
-    runs_after_start = entry.seen - entry.stretch_seen - 1
-    if runs_after_start >= MIN_STRETCH_RUNS and entry.last_seen > entry.stretch_start:
-        return runs_after_start / (entry.last_seen - entry.stretch_start)
+    if entry.watched_runs >= MIN_WATCHED_RUNS and entry.watched_s > 0:
+        return entry.watched_runs / entry.watched_s
     return (entry.seen - 1) / max(entry.last_seen - entry.first_seen, 1e-6)
 
 
-MIN_STRETCH_RUNS = 4      # runs in a watched stretch that measure a key's rate
+MIN_WATCHED_RUNS = 4      # runs after an earlier one, watched, that measure a key's rate
 
 
 def is_due(entry: Any) -> bool:

@@ -50,3 +50,21 @@ def test_a_keys_rate_is_measured_while_watched_not_across_pauses(fake_clock):
     fake_clock.advance(60.0)
     watched(5)
     assert scheduling.runs_per_second(entry) == pytest.approx(10, rel=0.01)
+
+
+def test_a_keys_rate_adds_up_over_short_watched_stretches(fake_clock):
+    """A runtime that resumes for a step or two between pauses (POINTS_BEFORE_PAUSE) sees a
+    per-step key twice a stretch: seen 10 times a second, two runs a stretch, 10 s paused
+    between stretches, its rate is still 10 a second (over its whole history: ~0.2)."""
+    from adaptive_eager.dispatch import control
+    from adaptive_eager.runtime.entries import KeyEntry
+    control.permanent_point()
+    entry = KeyEntry(segment=None)
+    for _ in range(4):
+        for _ in range(2):
+            fake_clock.advance(0.1)
+            entry.sighted(1)
+            control.permanent_point()
+        control.pause_begun()
+        fake_clock.advance(10.0)
+    assert scheduling.runs_per_second(entry) == pytest.approx(10, rel=0.01)
