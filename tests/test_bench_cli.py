@@ -70,6 +70,7 @@ def test_tiny_run_in_fresh_processes_writes_every_field(tmp_path, monkeypatch, c
         assert row["status"] == OK and row["median_ms"] > 0 and row["peak_mib"] > 0
         assert 0 < row["first_iter_s"] <= row["total_s"]
     assert eager["ratio_to_eager"] == 1.0 and eager["break_even"] is None
+    assert eager["paired_ratio"] is None and adaptive["paired_ratio"] > 0
     assert adaptive["compiles"] >= 1 and adaptive["compile_s"] > 0
     assert adaptive["break_even"] == NEVER or adaptive["break_even"] >= 1
     assert "reference" in captured.out and "chain8" in captured.out
@@ -193,6 +194,14 @@ def test_rows_carry_ratios_and_break_even():
     assert fast.ratio_to_eager == 0.25 and fast.break_even == 4 + 2 + 1
     assert slow.ratio_to_eager == 2.0 and slow.break_even == NEVER
     assert fast.total_s == 4.0 and slow.first_iter_s == 9.0
+
+
+def test_the_paired_ratio_is_the_runtimes_median_step_over_plain_eagers():
+    measurement = {"paired_eager_s": (2.0, 4.0, 100.0), "paired_adaptive_s": (1.0, 2.0, 3.0)}
+    assert results.paired_ratio(measurement) == 0.5
+    assert results.paired_ratio({"paired_eager_s": (), "paired_adaptive_s": ()}) is None
+    eager, fast, _, _ = _rows()
+    assert eager.paired_ratio is None and fast.paired_ratio is None   # (none measured)
 
 
 def test_text_table_aligns_columns_and_lists_problems():

@@ -12,7 +12,11 @@ step's state after it is comparable too:
 3. warm-up: as many steps as take about WARMUP_S in eager (``warmup_steps``), timed as a
    whole, with a second wait for compiles half-way (adaptive only, timed): new kernels are
    judged profitable or not here, and a program with nothing to fuse pauses;
-4. steady: ``iters`` more steps timed one by one (their median is the step time).
+4. steady: ``iters`` more steps timed one by one (their median is the step time);
+5. adaptive only: ``2 * iters`` more steps, plain eager ones (``ae.paused()``) and the
+   runtime's in turn, each timed alone: a ratio to eager from one process and one stretch of
+   time, which the machine's drift between processes cannot skew (a 2-core machine here
+   slowed eager's step 1.4x after ~20 s of load, so the later child looked slower).
 
 The eager child, the reference, runs first and picks the warm-up's length from its own cold
 steps; the parent hands it to the other modes (``--warmup``), so every mode runs the same
@@ -64,6 +68,8 @@ class Measurement:
     compile_s: float | None     # None: torch.compile did not say
     peak_mib: float             # this process's peak RSS (+ peak CUDA allocation on CUDA)
     torch_threads: int
+    paired_eager_s: tuple = ()      # adaptive: step 5, the plain eager steps
+    paired_adaptive_s: tuple = ()   # and the runtime's between them
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -81,6 +87,7 @@ class _Mode:
     counts: Callable[[], tuple[int, float]]
     wait_for_compiles: Callable[[], None] = lambda: None
     outside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    pairs: bool = False                # run step 5 (``outside`` is plain eager)
 
 
 def _device_sync(device: str) -> Callable[[], None]:
@@ -106,7 +113,8 @@ def _adaptive_mode(fn, device: str) -> _Mode:
         stats = ae.stats()
         return stats.compiles, stats.compile_seconds
     return _Mode(fn, settle, ae.enabled, counts,
-                 wait_for_compiles=lambda: ae.sync(wait_compiles=600), outside=ae.paused)
+                 wait_for_compiles=lambda: ae.sync(wait_compiles=600), outside=ae.paused,
+                 pairs=True)
 
 
 def _compile_mode(fn, device: str) -> _Mode:
@@ -138,6 +146,22 @@ def _timed_steps(mode: _Mode, case, iterations: range) -> tuple[list[float], Any
         mode.settle()
         times.append(time.perf_counter() - started)
     return times, output
+
+
+def _paired_steps(mode: _Mode, case, iterations: range) -> tuple[list[float], list[float]]:
+    """Step 5: even iterations plain eager (``mode.outside()``), odd ones the mode's, each
+    timed alone. Returns (eager times, the mode's times)."""
+    eager, own = [], []
+    for iteration in iterations:
+        with mode.outside():
+            args = case.inputs(iteration)
+        plain = iteration % 2 == 0
+        with mode.outside() if plain else contextlib.nullcontext():
+            started = time.perf_counter()
+            mode.call(*args)
+            mode.settle()
+            (eager if plain else own).append(time.perf_counter() - started)
+    return eager, own
 
 
 def _peak_rss_mib() -> float:
@@ -187,10 +211,14 @@ def measure(workload: str, size: str, mode_name: str, iters: int, device: str = 
         waited += _timed_wait(mode)
         warmup_s += sum(_timed_steps(mode, case, range(half, steady_from))[0])
         steady, output = _timed_steps(mode, case, range(steady_from, steady_from + iters))
+        output = _detached(output)        # (the paired steps go on changing a model's state)
+        paired_from = steady_from + iters
+        paired = _paired_steps(mode, case, range(paired_from, paired_from + 2 * iters)) \
+            if mode.pairs else ((), ())
         compiles, compile_s = mode.counts()
     measurement = Measurement(workload, size, mode_name, tuple(cold), waited, warmup, warmup_s,
                               tuple(steady), compiles, compile_s, _peak_mib(device),
-                              torch.get_num_threads())
+                              torch.get_num_threads(), *map(tuple, paired))
     return measurement, output
 
 
@@ -203,7 +231,7 @@ def _timed_wait(mode: _Mode) -> float:
 def _detached(output: Any) -> Any:
     import torch
     if isinstance(output, torch.Tensor):
-        return output.detach().cpu()
+        return output.detach().cpu().clone()
     if isinstance(output, (tuple, list)):
         return tuple(_detached(item) for item in output)
     return output
@@ -223,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     measurement, output = measure(options.workload, options.size, options.mode, options.iters,
                                   options.device, options.warmup)
     import torch
-    torch.save(_detached(output), os.path.join(options.out, "output.pt"))
+    torch.save(output, os.path.join(options.out, "output.pt"))
     with open(os.path.join(options.out, "result.json"), "w") as file:
         json.dump(measurement.as_dict(), file)
     return 0

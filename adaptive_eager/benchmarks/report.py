@@ -92,6 +92,7 @@ COLUMNS: tuple[tuple[str, Callable[[Row], str], bool], ...] = (
     ("mode", lambda r: r.mode, False),
     ("step ms", lambda r: _number(r.median_ms), True),
     ("x eager", lambda r: ratio_text(r.ratio_to_eager), True),
+    ("x eager paired", lambda r: ratio_text(r.paired_ratio), True),
     ("1st iter s", lambda r: _number(r.first_iter_s), True),
     ("N iters s", lambda r: _number(r.total_s), True),
     ("compiles", _compiles, True),
@@ -152,6 +153,10 @@ Inductor and kernel caches; every mode ran the same seeded inputs):
   about {warmup_s:g} s of eager steps ({fewest}-{most} steps; the same count in every mode),
   with waits for background compiles before and half-way through it (adaptive only).
 - **x eager** — step ms / eager's step ms: below 1.00 is faster than eager.
+- **x eager paired** — adaptive only: after its steady steps, 2N more steps, plain eager
+  (`ae.paused()`) and the runtime's in turn, each timed alone; the median of the runtime's
+  over eager's. One process and one stretch of time: the machine's drift between the
+  children (this one slows under sustained load) does not enter it.
 - **1st iter s**, **N iters s** — the first step, and the first N steps together, timed from
   the first step's start (cold: they include torch.compile's compile, and the adaptive
   runtime's recording while its background worker compiles).

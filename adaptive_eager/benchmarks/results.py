@@ -28,6 +28,7 @@ class Row:
     detail: str = ""                 # why, when the status is not ok
     median_ms: float | None = None   # steady-state step time
     ratio_to_eager: float | None = None   # median_ms / eager's (below 1: faster than eager)
+    paired_ratio: float | None = None     # adaptive: its steps / plain eager's, interleaved
     first_iter_s: float | None = None
     total_s: float | None = None     # the first ``iters`` steps, from the first one's start
     compile_wait_s: float | None = None
@@ -75,6 +76,15 @@ def break_even(eager: dict, other: dict) -> int | str:
     return first
 
 
+def paired_ratio(measurement: dict) -> float | None:
+    """The median of the mode's steps over plain eager's, timed in turn in one process (the
+    child's step 5); None where it ran none."""
+    eager, own = measurement.get("paired_eager_s"), measurement.get("paired_adaptive_s")
+    if not eager or not own:
+        return None
+    return statistics.median(own) / statistics.median(eager)
+
+
 def measured_row(measurement: dict, eager: dict, status: str = OK, detail: str = "") -> Row:
     """The row for one child's measurement (``eager``: the eager child's, the reference)."""
     median = median_ms(measurement["steady_step_s"])
@@ -83,6 +93,7 @@ def measured_row(measurement: dict, eager: dict, status: str = OK, detail: str =
     return Row(workload=measurement["workload"], size=measurement["size"],
                mode=measurement["mode"], status=status, detail=detail, median_ms=median,
                ratio_to_eager=median / median_ms(eager["steady_step_s"]),
+               paired_ratio=paired_ratio(measurement),
                first_iter_s=cold[0], total_s=sum(cold),
                compile_wait_s=measurement["compile_wait_s"],
                warmup_steps=measurement.get("warmup_steps"), compiles=measurement["compiles"],
