@@ -13,10 +13,13 @@ step's state after it is comparable too:
    whole, with a second wait for compiles half-way (adaptive only, timed): new kernels are
    judged profitable or not here, and a program with nothing to fuse pauses;
 4. steady: ``iters`` more steps timed one by one (their median is the step time);
-5. adaptive only: ``2 * iters`` more steps, plain eager ones (``ae.paused()``) and the
-   runtime's in turn, each timed alone: a ratio to eager from one process and one stretch of
-   time, which the machine's drift between processes cannot skew (a 2-core machine here
-   slowed eager's step 1.4x after ~20 s of load, so the later child looked slower).
+5. adaptive only: four blocks of ``iters // 2`` more steps, plain eager (``ae.paused()``),
+   the runtime's, the runtime's, plain eager, each step timed alone: a ratio to eager from
+   one process and one stretch of time, which the machine's drift between processes cannot
+   skew (a 2-core machine here slowed eager's step 1.4x after ~20 s of load, so the later
+   child looked slower). A block's first step is not counted: switching in or out of
+   ``ae.paused()`` costs it what no program that stays in one mode pays (steps alternated
+   one by one ran the runtime's up to 4x slower than its steady steps).
 
 The eager child, the reference, runs first and picks the warm-up's length from its own cold
 steps; the parent hands it to the other modes (``--warmup``), so every mode runs the same
@@ -148,20 +151,23 @@ def _timed_steps(mode: _Mode, case, iterations: range) -> tuple[list[float], Any
     return times, output
 
 
-def _paired_steps(mode: _Mode, case, iterations: range) -> tuple[list[float], list[float]]:
-    """Step 5: even iterations plain eager (``mode.outside()``), odd ones the mode's, each
-    timed alone. Returns (eager times, the mode's times)."""
-    eager, own = [], []
-    for iteration in iterations:
-        with mode.outside():
-            args = case.inputs(iteration)
-        plain = iteration % 2 == 0
+def _paired_steps(mode: _Mode, case, first: int, iters: int) -> tuple[list[float], list[float]]:
+    """Step 5 from iteration ``first``: blocks of plain eager (``mode.outside()``) and of the
+    mode's steps, in the order PLAIN_FIRST. Returns (eager times, the mode's times), each
+    block's first step left out."""
+    block = max(2, iters // 2)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for number, plain in enumerate(PLAIN_FIRST):
+        block_from = first + number * block
         with mode.outside() if plain else contextlib.nullcontext():
-            started = time.perf_counter()
-            mode.call(*args)
-            mode.settle()
-            (eager if plain else own).append(time.perf_counter() - started)
-    return eager, own
+            steps, _ = _timed_steps(mode, case, range(block_from, block_from + block))
+        times[plain] += steps[1:]
+    return times[True], times[False]
+
+
+# Step 5's blocks: is each plain eager? Symmetric, so a steady drift of the machine's speed
+# weighs on both alike.
+PLAIN_FIRST = (True, False, False, True)
 
 
 def _peak_rss_mib() -> float:
@@ -213,8 +219,7 @@ def measure(workload: str, size: str, mode_name: str, iters: int, device: str = 
         steady, output = _timed_steps(mode, case, range(steady_from, steady_from + iters))
         output = _detached(output)        # (the paired steps go on changing a model's state)
         paired_from = steady_from + iters
-        paired = _paired_steps(mode, case, range(paired_from, paired_from + 2 * iters)) \
-            if mode.pairs else ((), ())
+        paired = _paired_steps(mode, case, paired_from, iters) if mode.pairs else ((), ())
         compiles, compile_s = mode.counts()
     measurement = Measurement(workload, size, mode_name, tuple(cold), waited, warmup, warmup_s,
                               tuple(steady), compiles, compile_s, _peak_mib(device),

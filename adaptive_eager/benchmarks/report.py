@@ -153,10 +153,11 @@ Inductor and kernel caches; every mode ran the same seeded inputs):
   about {warmup_s:g} s of eager steps ({fewest}-{most} steps; the same count in every mode),
   with waits for background compiles before and half-way through it (adaptive only).
 - **x eager** — step ms / eager's step ms: below 1.00 is faster than eager.
-- **x eager paired** — adaptive only: after its steady steps, 2N more steps, plain eager
-  (`ae.paused()`) and the runtime's in turn, each timed alone; the median of the runtime's
-  over eager's. One process and one stretch of time: the machine's drift between the
-  children (this one slows under sustained load) does not enter it.
+- **x eager paired** — adaptive only: after its steady steps, four blocks of N/2 steps,
+  plain eager (`ae.paused()`), the runtime's, the runtime's, plain eager, each timed alone
+  (a block's first step left out); the median of the runtime's over eager's. One process and
+  one stretch of time: the machine's drift between the children (this one slows under
+  sustained load) does not enter it, nor the allocator's different state in another process.
 - **1st iter s**, **N iters s** — the first step, and the first N steps together, timed from
   the first step's start (cold: they include torch.compile's compile, and the adaptive
   runtime's recording while its background worker compiles).
