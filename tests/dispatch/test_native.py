@@ -432,3 +432,51 @@ def test_a_paused_training_loop_still_runs_its_kernels(compiler, fake_clock):
         assert_equal(got, want, bitwise=True)
     for got, want in zip(got_model.parameters(), expected_model.parameters()):
         assert_equal(got, want, bitwise=True)
+
+
+def test_a_paused_gpt2_training_loop_runs_its_kernels_and_equals_eager(compiler, fake_clock):
+    """Note [Kernels while paused] on a real model: GPT-2's training step (attention, layer
+    norms, AdamW) paused by the step judge goes on fusing from C++, and where a run parts
+    from a kernel's path it is replayed there; losses and parameters are eager's."""
+    transformers = pytest.importorskip("transformers")
+    from adaptive_eager.runtime import engine
+    ext = native.loaded()
+
+    def model():
+        torch.manual_seed(0)
+        config_ = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                          n_positions=32, attn_pdrop=0.0, embd_pdrop=0.0,
+                                          resid_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(config_).train()
+    ids = torch.randint(2, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def train(net, steps, on_step=lambda: None):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=True)
+        losses = []
+        for _ in range(steps):
+            loss = net(input_ids=ids, labels=ids).loss
+            loss.backward()
+            on_step()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return losses
+    expected_model = model()
+    expected = train(expected_model, 120)
+    fused_while_paused = []
+
+    def on_step():
+        fake_clock.advance(0.08 if ae.is_paused() else 0.1)
+        if ae.is_paused():
+            assert ext.is_included()
+            fused_while_paused.append(ae.stats().fused_executions)
+    got_model = model()
+    with config.patch(BACKEND="cpp", PAUSE=True), ae.enabled():
+        losses = train(got_model, 120, on_step)
+        [runtime] = engine.live_runtimes()
+        assert runtime.judge.verdicts >= 1
+    assert len(fused_while_paused) > 20
+    assert fused_while_paused[-1] - fused_while_paused[0] >= len(fused_while_paused) - 1
+    assert_equal(losses, expected)
+    for got, want in zip(got_model.parameters(), expected_model.parameters()):
+        assert_equal(got, want)
