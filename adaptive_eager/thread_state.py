@@ -187,7 +187,7 @@ def step_aside() -> Enabled | None:
     enabled = top()
     if enabled is not None and enabled.phase is Phase.PAUSED and enabled.interceptor.kernels:
         enabled.runtime.flush()
-        enabled.interceptor.deactivate()
+        enabled.interceptor.deactivate(unseen=True)
         enabled.move(Phase.ASIDE)
         enabled.aside_from = Phase.PAUSED
         return enabled
@@ -207,7 +207,10 @@ def _stop_intercepting(phase: Phase) -> Enabled | None:
     enabled.runtime.flush()
     if enabled.phase is not Phase.INTERCEPTING:
         return None          # the flush ended a cold run whose harvest paused the runtime
-    enabled.interceptor.deactivate()
+    # ae.paused() is plain eager: the key out of the thread's dispatch set (its ops through
+    # the extension's fallback cost ~0.2-1 us each, a quarter of a 4 us op). A sit-out, one
+    # optimizer step once, keeps it.
+    enabled.interceptor.deactivate(unseen=phase is Phase.ASIDE)
     enabled.move(phase)
     return enabled
 

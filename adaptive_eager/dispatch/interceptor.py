@@ -107,8 +107,7 @@ class CppInterceptor:
         self.active, self.unseen = False, unseen and not kernels
         self.kernels = kernels
         self.ext.set_paused(True, kernels)
-        if self.unseen:
-            self.ext.set_included(False)
+        self.ext.set_included(not self.unseen)      # (ae.paused() may have taken it out)
 
     def is_active(self) -> bool:
         return self.active

@@ -416,6 +416,7 @@ def test_a_paused_training_loop_still_runs_its_kernels(compiler, fake_clock):
         fused_while_paused.append(ae.stats().fused_executions)
         if step % 10 == 0:
             with ae.paused():
+                assert not ext.is_included()           # plain eager: the key is out
                 before = ae.stats().fused_executions   # (a pending run ended on entry)
                 torch.nn.functional.mse_loss(got_model(x), y)   # a segment the kernels had
                 plain_in_block.append(ae.stats().fused_executions - before)
@@ -480,3 +481,20 @@ def test_a_paused_gpt2_training_loop_runs_its_kernels_and_equals_eager(compiler,
     assert_equal(losses, expected)
     for got, want in zip(got_model.parameters(), expected_model.parameters()):
         assert_equal(got, want)
+
+
+def test_ae_paused_takes_the_key_out_of_the_threads_dispatch_set(compiler):
+    """``ae.paused()`` is plain eager: its ops do not even pass the extension's fallback
+    (~0.2-1 us an op); the key is back after the block."""
+    ext = native.loaded()
+    x = torch.randn(64)
+    with config.patch(BACKEND="cpp"), ae.enabled():
+        (x * 2).sum().item()
+        assert ext.is_included()
+        with ae.paused():
+            assert not ext.is_included()
+            seen = ae.stats().ops_seen
+            (x * 2).sum().item()
+            assert ae.stats().ops_seen == seen
+        assert ext.is_included()
+    assert not ext.is_included()
