@@ -472,6 +472,19 @@ bool runs_aside(const Run& run, const c10::OperatorHandle& op, const torch::jit:
   return true;
 }
 
+// Start the thread's run at ``root`` with ``op``: true where the op was taken (deferred, or
+// run on a cold plan); else the run is cleared and the op is not.
+bool start_run(Run& run, const std::shared_ptr<const Trie>& trie, const Node* root, bool cold,
+               const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
+  run.trie = trie;
+  run.node = root;
+  run.cold = cold;
+  run.started = std::chrono::steady_clock::now();
+  if (advance(run, op, ks, stack)) return true;
+  run.clear();
+  return false;
+}
+
 }  // namespace
 
 bool aside_when_idle(const c10::OperatorHandle& op, const torch::jit::Stack* stack) {
@@ -502,13 +515,7 @@ bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::S
   const Context context = current_context();
   for (bool cold : {false, true}) {       // a settled kernel first
     const Node* root = root_for(cold ? trie->cold_roots : trie->kernel_roots, context);
-    if (root == nullptr) continue;
-    run.trie = trie;
-    run.node = root;
-    run.cold = cold;
-    run.started = std::chrono::steady_clock::now();
-    if (advance(run, op, ks, stack)) return true;
-    run.clear();
+    if (root != nullptr && start_run(run, trie, root, cold, op, ks, stack)) return true;
   }
   return false;
 }
@@ -542,14 +549,7 @@ bool paused_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Sta
   const auto& trie = current_trie();
   if (!trie) return false;
   const Node* root = root_for(trie->kernel_roots, current_context());
-  if (root == nullptr) return false;
-  run.trie = trie;
-  run.node = root;
-  run.cold = false;
-  run.started = std::chrono::steady_clock::now();
-  if (advance(run, op, ks, stack)) return true;
-  run.clear();
-  return false;
+  return root != nullptr && start_run(run, trie, root, /*cold=*/false, op, ks, stack);
 }
 
 bool is_retry(PyObject* answer) { return answer == g_retry && answer != nullptr; }

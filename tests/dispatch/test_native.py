@@ -378,12 +378,25 @@ def test_a_training_loop_watches_on_while_its_keys_wait_and_finds_its_optimizer_
         assert_equal(out, reference, bitwise=True)
 
 
+def _train_paused_by_the_step_judge(train, model, steps, on_step, fused_while_paused):
+    """``train(model, steps, on_step)`` on the C++ backend with pausing on; ``on_step``
+    makes paused steps look faster to the step judge and notes, while paused, the fused runs
+    so far in ``fused_while_paused``: each paused step fused at least once."""
+    from adaptive_eager.runtime import engine
+    with config.patch(BACKEND="cpp", PAUSE=True), ae.enabled():
+        losses = train(model, steps, on_step)
+        [runtime] = engine.live_runtimes()
+        assert runtime.judge.verdicts >= 1
+    assert len(fused_while_paused) > 20
+    assert fused_while_paused[-1] - fused_while_paused[0] >= len(fused_while_paused) - 1
+    return losses
+
+
 def test_a_paused_training_loop_still_runs_its_kernels(compiler, fake_clock):
     """Note [Kernels while paused] (csrc/hot_path.cpp): once the step judge pauses a training
     loop (its paused steps are stated faster), the loop's kernels still run, from C++, with
     the key in the thread's dispatch set; ``ae.paused()`` inside the pause is plain eager, and
     the pause goes on after it. Results are eager's, bitwise (the stand-in compiler)."""
-    from adaptive_eager.runtime import engine
     ext = native.loaded()
 
     def train(model, steps, on_step=None):
@@ -422,12 +435,7 @@ def test_a_paused_training_loop_still_runs_its_kernels(compiler, fake_clock):
                 plain_in_block.append(ae.stats().fused_executions - before)
             assert ae.is_paused() and ext.is_included()   # the pause goes on after the block
     got_model = model()
-    with config.patch(BACKEND="cpp", PAUSE=True), ae.enabled():
-        losses = train(got_model, 200, on_step)
-        [runtime] = engine.live_runtimes()
-        assert runtime.judge.verdicts >= 1
-    assert len(fused_while_paused) > 20
-    assert fused_while_paused[-1] - fused_while_paused[0] >= len(fused_while_paused) - 1
+    losses = _train_paused_by_the_step_judge(train, got_model, 200, on_step, fused_while_paused)
     assert plain_in_block and set(plain_in_block) == {0}
     for got, want in zip(losses, expected):
         assert_equal(got, want, bitwise=True)
@@ -440,7 +448,6 @@ def test_a_paused_gpt2_training_loop_runs_its_kernels_and_equals_eager(compiler,
     norms, AdamW) paused by the step judge goes on fusing from C++, and where a run parts
     from a kernel's path it is replayed there; losses and parameters are eager's."""
     transformers = pytest.importorskip("transformers")
-    from adaptive_eager.runtime import engine
     ext = native.loaded()
 
     def model():
@@ -472,12 +479,7 @@ def test_a_paused_gpt2_training_loop_runs_its_kernels_and_equals_eager(compiler,
             assert ext.is_included()
             fused_while_paused.append(ae.stats().fused_executions)
     got_model = model()
-    with config.patch(BACKEND="cpp", PAUSE=True), ae.enabled():
-        losses = train(got_model, 120, on_step)
-        [runtime] = engine.live_runtimes()
-        assert runtime.judge.verdicts >= 1
-    assert len(fused_while_paused) > 20
-    assert fused_while_paused[-1] - fused_while_paused[0] >= len(fused_while_paused) - 1
+    losses = _train_paused_by_the_step_judge(train, got_model, 120, on_step, fused_while_paused)
     assert_equal(losses, expected)
     for got, want in zip(got_model.parameters(), expected_model.parameters()):
         assert_equal(got, want)
