@@ -485,6 +485,16 @@ bool start_run(Run& run, const std::shared_ptr<const Trie>& trie, const Node* ro
   return false;
 }
 
+// The thread's run takes ``op`` as its next op, or runs it aside (Note [Ops aside]) and goes
+// on: true; false where the op ends it.
+bool run_goes_on(Run& run, const c10::OperatorHandle& op, DispatchKeySet ks,
+                 torch::jit::Stack* stack) {
+  if (advance(run, op, ks, stack)) return true;
+  if (!runs_aside(run, op, stack)) return false;
+  run_as_eager(op, ks, stack);
+  return true;
+}
+
 }  // namespace
 
 bool aside_when_idle(const c10::OperatorHandle& op, const torch::jit::Stack* stack) {
@@ -498,11 +508,7 @@ bool hot_path_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::S
   if (!t_hot || g_off.load(std::memory_order_relaxed)) return false;
   Run& run = t_run;
   if (run.node != nullptr) {
-    if (advance(run, op, ks, stack)) return true;
-    if (runs_aside(run, op, stack)) {    // Note [Ops aside]: the run goes on
-      run_as_eager(op, ks, stack);
-      return true;
-    }
+    if (run_goes_on(run, op, ks, stack)) return true;
     end_run(run);                  // fused, or Python's now (which may open its segment),
     if (run.node != nullptr) {     // or replayed and on a cold plan's path
       if (advance(run, op, ks, stack)) return true;
@@ -538,11 +544,7 @@ bool paused_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Sta
   if (ks.has_backend(c10::BackendComponent::MetaBit)) return false;   // (Dynamo's tracing)
   Run& run = t_run;
   if (run.node != nullptr) {
-    if (!run.cold && advance(run, op, ks, stack)) return true;
-    if (!run.cold && runs_aside(run, op, stack)) {
-      run_as_eager(op, ks, stack);
-      return true;
-    }
+    if (!run.cold && run_goes_on(run, op, ks, stack)) return true;
     end_run(run);                 // fused, or replayed (paused: not Python's)
     if (run.node != nullptr || !thread_paused()) return false;   // (a harvest resumed it)
   }
