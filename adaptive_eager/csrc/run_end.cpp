@@ -206,10 +206,12 @@ double replay_run(Run& run, const Plan& plan) {
 }
 
 void run_per_op(Run& run, const Plan& plan) {
+  const double waited_s = seconds_since(run.started);   // Note [Like for like] (profit.py)
   double seconds = replay_run(run, plan);
   py::gil_scoped_acquire gil;
-  PyObject* result = PyObject_CallFunction(g_ran_per_op, "Ld",
-                                           static_cast<long long>(plan.handle), seconds);
+  PyObject* result = PyObject_CallFunction(g_ran_per_op, "Ldd",
+                                           static_cast<long long>(plan.handle), seconds,
+                                           waited_s);
   if (result == nullptr) throw py::error_already_set();
   Py_DECREF(result);
 }

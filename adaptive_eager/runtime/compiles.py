@@ -154,20 +154,22 @@ class Compiles:
         metas = segment.input_metas + tuple(segment.out_meta(ref) for ref in segment.live_refs)
         entry.state = KeyState.COMPILING
         self.send(functools.partial(self._finish, entry), compiler, entry.digest,
-                  to_wire(segment), metas)
+                  to_wire(segment), metas, largest_numel=scheduling.fused_numel(segment))
         decide("compiling", key=entry.digest, ops=len(segment.ops))
 
     def send(self, finish: Callable, compiler, digest: str, segment: tuple, metas: tuple,
-             variants: tuple = ()) -> None:
+             variants: tuple = (), largest_numel: int = 0) -> None:
         """A compile request to the worker; ``finish(result)`` handles its result (a key's
-        kernel, or a structure's generic one)."""
+        kernel, or a structure's generic one, compiled serial). ``largest_numel``: what the
+        segment's fused ops touch (Note [Serial kernels] in runtime/scheduling.py)."""
         if self.worker is None:
             self.worker = CompileWorker(self._disk.store.directory, config.COMPILE_TIMEOUT_S)
             prepare_loading(compiler)
         self._next_request += 1
         request = CompileRequest(self._next_request, digest, segment, metas,
                                  (type(compiler).__module__, type(compiler).__qualname__),
-                                 scheduling.kernel_threads(metas, self.threads.program_threads()),
+                                 scheduling.kernel_threads(largest_numel,
+                                                           self.threads.program_threads()),
                                  variants)
         self._compiling[request.request_id] = finish
         self.worker.submit(request)

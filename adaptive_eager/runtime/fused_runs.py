@@ -14,6 +14,7 @@ from adaptive_eager.dispatch.escapes import raw_untyped_storage
 from adaptive_eager.runtime import clock, native_plans
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.graph import run_eagerly
+from adaptive_eager.runtime.scheduling import program_seconds
 from adaptive_eager.runtime.segment import SegmentBuilder
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.trie import TrieNode
@@ -56,8 +57,11 @@ class FusedRuns:
 
     def _run_beside(self, variant, builder: SegmentBuilder, live: tuple) -> None:
         """Note [Side by side] (runtime/profit.py): run a deferred segment whose kernel is on
-        trial per-op instead, and time its ops for the comparison."""
-        self.table.touch_eager(variant, self._replay(builder, live))
+        trial per-op instead, and time it for the comparison (Note [Like for like])."""
+        waited_s = clock.perf_counter() - builder.started
+        ops_s = self._replay(builder, live)
+        backend = "python" if self.native is None else "cpp"
+        self.table.touch_eager(variant, ops_s + program_seconds(waited_s, len(builder), backend))
 
     def _replay(self, builder: SegmentBuilder, live: tuple) -> float:
         """Run the deferred ops per-op into the tensors the user holds; the ops' seconds."""

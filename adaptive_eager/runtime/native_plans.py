@@ -29,6 +29,7 @@ from adaptive_eager.dispatch.signature import (KEY_CONTEXT_FIELDS, LiftedScalar,
                                                TensorArg, decode)
 from adaptive_eager.runtime import clock
 from adaptive_eager.runtime.first_runs import first_run
+from adaptive_eager.runtime.scheduling import program_seconds
 from adaptive_eager.runtime.stats import counters
 
 log = logging.getLogger("adaptive_eager")
@@ -295,13 +296,14 @@ def _call(variant, inputs: list, buffers: list) -> None:
         variant.kernel(*inputs, *buffers)
 
 
-def _ran_per_op(handle: int, seconds: float) -> None:
-    """The extension ran a trial's per-op run of a kernel's segment: ``seconds`` in its ops
-    (Note [Side by side])."""
+def _ran_per_op(handle: int, seconds: float, waited_s: float) -> None:
+    """The extension ran a trial's per-op run of a kernel's segment: ``seconds`` in its ops,
+    after ``waited_s`` from its first op deferred (Note [Side by side], Note [Like for like])."""
     variant = _variants.get(handle)
     runtime = interceptors.current_runtime()
     if variant is not None and runtime is not None:
-        runtime.table.touch_eager(variant, seconds)
+        program_s = program_seconds(waited_s, len(variant.segment.ops), "cpp")
+        runtime.table.touch_eager(variant, seconds + program_s)
 
 
 def _call_from_cpp(variant) -> None:

@@ -28,7 +28,15 @@ class ProfitTrial:
         self._lock = lock                 # the key table's
         self._loaded = loaded
         self._records = records
-        self._compiling = compiling       # Note [Trials without a compile beside]
+        self._compiling = compiling       # Note [Like for like]: a fused run's time is its wall time from its first op deferred to
+    # its kernel's end: deferring its ops, the kernel, and the program's own code between the
+    # ops (Python's, in a model's forward). A per-op run beside it is timed as its ops' time
+    # plus that same program time (the run's wait, less what deferring its ops cost:
+    # scheduling.program_seconds), since an eager run spends it too. Timed as its ops' time
+    # alone, a small Llama's decode segments (~0.2 ms of ops among ~0.2 ms of Python) each
+    # looked ~2x slower fused and were all dropped.
+    #
+    # Note [Trials without a compile beside]
 
     def fused_run(self, variant: Variant, seconds: float | None, runs: int = 1) -> None:
         """``runs`` fused runs of ``variant``, the last of which took ``seconds`` (None: not
@@ -76,7 +84,8 @@ class ProfitTrial:
             len(entry.control_samples) <= timed_fused
 
     def eager_run(self, variant: Variant, seconds: float) -> None:
-        """A per-op run of ``variant``'s segment on trial took ``seconds`` inside its ops."""
+        """A per-op run of ``variant``'s segment on trial took ``seconds`` (its ops', and the
+        program's between them: Note [Like for like])."""
         with self._lock:
             variant.entry.add_sample(variant.entry.control_samples, seconds)
             self._judge_when_timed(variant)

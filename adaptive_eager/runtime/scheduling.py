@@ -39,10 +39,12 @@ cost above assumes.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
 from adaptive_eager.config import config
+from adaptive_eager.runtime import clock
 
 FUSION_GAIN = 0.5          # share of a segment's fusible time a kernel is taken to save
 
@@ -70,6 +72,21 @@ def compile_cost_s(entry: Any) -> float:
 # training steps, 8-10 on GPT-2's. A waiting key whose runs save less than this keeps no one
 # watching it.
 WATCH_S_PER_OP = {"python": 50e-6, "cpp": 10e-6}
+
+
+# What deferring an op costs a run that ends fused, beyond what running it would have: C++'s
+# hot path ~1 us an op (keying against the trie, keeping its arguments: the spike measured
+# 0.8-1.0 us an op in a training step, pass-through included), Python's ~25-40 us.
+DEFERRING_S_PER_OP = {"python": 40e-6, "cpp": 1e-6}
+
+
+def program_seconds(waited_s: float, ops: int, backend: str) -> float:
+    """Of a deferred run's ``waited_s`` (from its first op deferred to its end), the
+    program's own time between its ``ops`` ops, which an eager run spends too (Note [Like for
+    like] in runtime/profit.py); 0 where a test states times (Note [Clock])."""
+    if not clock.is_the_machines():
+        return 0.0
+    return max(0.0, waited_s - ops * DEFERRING_S_PER_OP[backend])
 
 
 def worth_watching(entry: Any, backend: str) -> bool:
@@ -185,18 +202,37 @@ class CompileQueue:
 # and so should a kernel over tensors that small: a fork-join costs more than the work, and on
 # a busy machine the region waits for a thread the OS gives to someone else (an 8-op chain on
 # 4,096 elements took ~9 ms a run instead of ~5 us with another process on the second core).
-# So a segment whose largest tensor is under SERIAL_BELOW_NUMEL elements is compiled for one
-# thread (the spike of the kernel launch measured the OpenMP kernel winning from ~64K).
+# So a segment whose fused work (its ops but views and extern ops) touches no tensor of
+# SERIAL_BELOW_NUMEL elements or more is compiled for one thread (the spike of the kernel
+# launch measured the OpenMP kernel winning from ~64K). Extern ops do not count: a matmul runs
+# its library's own threads whatever the kernel's count, and a decode step's weights (176K
+# elements for a small Llama's MLP) made its 1x256 pointwise kernels parallel, each fused run
+# 2.1x as slow as serial (0.93 against 0.43 ms for a layer's 51-op segment).
 SERIAL_BELOW_NUMEL = 65536
 
 
-def kernel_threads(metas, program_threads: int | None = None) -> int:
-    """The intra-op threads to compile a segment's kernel for (Note [Serial kernels]);
-    ``metas``: its inputs' and outputs' TensorMetas (or tensors); ``program_threads``: the
+def fused_numel(segment: Any) -> int:
+    """The most elements one tensor read or written by ``segment``'s fused ops has (views
+    and extern ops are not fused: Note [Serial kernels])."""
+    from adaptive_eager.dispatch.ops import OpKind            # (torch: imported late)
+    from adaptive_eager.dispatch.signature import TensorArg
+    largest = 0
+    for op in segment.ops:
+        if op.kind is OpKind.VIEW or op.op_class.extern:
+            continue
+        shapes = [meta.shape for meta in op.out_metas if meta is not None]
+        for arg in list(op.args) + [value for _, value in op.kwargs]:
+            items = arg if type(arg) is tuple else (arg,)
+            shapes += [item.shape for item in items if type(item) is TensorArg]
+        largest = max([largest] + [math.prod(shape) for shape in shapes])
+    return largest
+
+
+def kernel_threads(largest_numel: int, program_threads: int | None = None) -> int:
+    """The intra-op threads to compile a kernel for (Note [Serial kernels]), whose fused ops
+    touch tensors of at most ``largest_numel`` elements (fused_numel); ``program_threads``: the
     program's own count (default: this thread's now; Note [Lending a thread])."""
-    import math
     import torch
-    largest = max((math.prod(meta.shape) for meta in metas), default=0)
-    if largest < SERIAL_BELOW_NUMEL:
+    if largest_numel < SERIAL_BELOW_NUMEL:
         return 1
     return program_threads or torch.get_num_threads()

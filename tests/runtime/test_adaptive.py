@@ -1,5 +1,6 @@
 """The adaptive policy's gates: too cheap to fuse, unprofitable kernels, megamorphic shapes."""
 import gc
+import time
 
 import pytest
 import torch
@@ -47,6 +48,31 @@ def test_segments_whose_time_is_in_matmuls_are_never_compiled(compiler, fake_clo
         assert entry.reason == (None if compiled else "extern_bound")
     assert compiler.count == int(compiled)
     assert outs == pytest.approx([((a @ b).relu() * 2).sum().item()] * 4, rel=1e-5)
+
+
+PROGRAM_S = 0.002      # the program's own code between two ops of a segment
+
+
+def test_a_trials_per_op_runs_count_the_programs_time_between_their_ops(backend):
+    """Note [Like for like]: a fused run's time includes the program's code between its
+    segment's ops (from its first op deferred to its kernel's end), so the per-op runs it is
+    judged against include it too (measured on the machine's clock: a sleep is a floor)."""
+    x = torch.randn(64)
+
+    def chain_with_code_between(x):
+        y = (x * 2 + 1).sin()
+        time.sleep(PROGRAM_S)                        # e.g. a model's Python between two ops
+        return (y * 3).cos()
+
+    with config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
+        outs = [chain_with_code_between(x) for _ in range(20)]
+        ae.sync()
+        [entry] = engine.shared_table().entries()
+        assert entry.judged and len(entry.control_samples) >= 2
+        assert min(entry.control_samples) >= PROGRAM_S        # was the ops' time alone
+        assert min(entry.fused_samples[1:]) >= PROGRAM_S           # (after its warm-up run)
+    for out in outs:
+        assert_equal(out, chain_with_code_between(x), bitwise=True)
 
 
 OP_S = 100e-6          # each op of the chain (5 ops), on the fake clock

@@ -82,6 +82,32 @@ def test_segments_run_per_op_until_the_worker_delivers(background, compiler,
     assert os.path.exists(os.path.join(config.CACHE_DIR, "worker.log"))   # its stderr
 
 
+def test_a_kernel_whose_fused_ops_touch_small_tensors_is_compiled_serial(
+        background, two_threads_on_two_cores, monkeypatch):
+    """Note [Serial kernels]: a decode step's matmul reads a large weight, but the kernel's
+    own (fused) ops touch one row: it is compiled for one thread; the matmul runs its
+    library's threads either way."""
+    weight = torch.randn(256, 2 * scheduling.SERIAL_BELOW_NUMEL // 256)
+    row = torch.randn(1, 256)
+
+    def project(row):
+        return (torch.mm(row, weight) * 2.0).relu() + 1.0
+
+    requested = []
+    submit = CompileWorker.submit
+    monkeypatch.setattr(CompileWorker, "submit",
+                        lambda worker, request: (requested.append(request.threads),
+                                                 submit(worker, request)))
+    with ae.enabled():
+        outs = [_ran(project, row) for _ in range(4)]
+        ae.sync(wait_compiles=120)
+        segment = _entry().segment
+    assert requested == [1]
+    assert scheduling.fused_numel(segment) == weight.shape[1]          # one row's, not W's
+    for out in outs:
+        assert_equal(out, project(row))
+
+
 def test_a_hot_key_compiles_once_its_runs_banked_the_compile_cost(background, monkeypatch):
     """Note [When to compile]: no worker until then; counted in runs, not wall time."""
     monkeypatch.setattr(scheduling, "predicted_saving_s", lambda entry: 0.1)   # per run
