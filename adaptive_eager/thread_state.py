@@ -152,7 +152,8 @@ def pop() -> Enabled | None:
         _thread.memory = PauseMemory(
             runtime.quiet_segments, runtime.quiet_count, runtime.pause_backoff_s,
             enabled.paused_until if enabled.phase is Phase.PAUSED else 0.0,
-            runtime.awaited_answers, enabled.interceptor.unseen)
+            runtime.awaited_answers,
+            enabled.interceptor.unseen and not enabled.interceptor.asleep)
     return enabled
 
 
@@ -181,11 +182,11 @@ def forget_pauses() -> None:
 
 def step_aside() -> Enabled | None:
     """Finish this thread's deferred work and stop intercepting (``ae.paused()``): the
-    enable() moved ASIDE, or None when not enabled, paused without kernels, or another mode is
-    on top. A pause that runs its kernels (Note [Kernels while paused] in csrc/hot_path.cpp)
-    stops them for the block, and goes on after it."""
+    enable() moved ASIDE, or None when not enabled or another mode is on top. A pause stops
+    its kernels for the block (Note [Kernels while paused] in csrc/hot_path.cpp), cannot end
+    in it, and goes on after it."""
     enabled = top()
-    if enabled is not None and enabled.phase is Phase.PAUSED and enabled.interceptor.kernels:
+    if enabled is not None and enabled.phase is Phase.PAUSED:
         enabled.runtime.flush()
         enabled.interceptor.deactivate(unseen=True)
         enabled.move(Phase.ASIDE)
@@ -220,7 +221,7 @@ def step_back(enabled: Enabled) -> None:
         return
     enabled.move(enabled.aside_from)
     if enabled.phase is Phase.PAUSED:
-        enabled.interceptor.deactivate(kernels=True)
+        _deactivate_paused(enabled)
     else:
         enabled.interceptor.activate()
 
@@ -322,9 +323,15 @@ def _judged_by_the_step(enabled) -> bool:
 
 def _pause(enabled, seconds: float) -> None:
     """Stop intercepting for ``seconds`` (control_point flushed the runtime already)."""
-    enabled.interceptor.deactivate(unseen=enabled.runtime.control_points_pass(), kernels=True)
+    _deactivate_paused(enabled)
     enabled.move(Phase.PAUSED)
     enabled.paused_until = clock.monotonic() + seconds
+
+
+def _deactivate_paused(enabled) -> None:
+    """A runtime's own pause: its kernels run on; the key out where a control point or the
+    waker ends it (CppInterceptor.deactivate)."""
+    enabled.interceptor.deactivate(unseen=enabled.runtime.control_points_pass(), kernels=True)
 
 
 def _resume(enabled, kernel_landed: bool) -> None:

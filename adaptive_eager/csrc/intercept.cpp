@@ -245,6 +245,46 @@ std::string install() {
   }
 }
 
+// Note [Waking a paused thread]
+// A paused thread whose program passes no control point (a bare loop, a decode loop) used to
+// keep the key in its dispatch set, so that its fallback could ask every RESUME_EVERY ops
+// whether the pause was over: ~0.2-1 us an op through the boxed pass-through, 5-10% of a small
+// model's decode step. Instead such a thread takes the key out (plain eager) and is woken from
+// another thread: a waker (dispatch/waking.py) arms a one-shot profile function on it
+// (_PyEval_SetProfile, as Python 3.12's threading.setprofile_all_threads does for every
+// thread), which runs at the thread's next Python call event, between two ops, removes itself
+// and calls back into the runtime there, on the thread itself (whose TLS the key lives in). A
+// thread running a profiler of its own is not touched: its pause keeps the key in.
+int on_wake_event(PyObject* callback, PyFrameObject*, int, PyObject*) {
+  PyThreadState* self = PyThreadState_Get();
+  Py_INCREF(callback);                   // (removing the profile function drops its reference)
+  _PyEval_SetProfile(self, nullptr, nullptr);
+  PyObject* result = PyObject_CallNoArgs(callback);
+  if (result == nullptr) PyErr_WriteUnraisable(callback);   // never into the program's code
+  Py_XDECREF(result);
+  Py_DECREF(callback);
+  return 0;
+}
+
+// 1: armed (or armed already); 0: no such thread; -1: it runs a profiler of its own.
+int wake_soon(unsigned long thread_id, py::object callback) {
+  PyInterpreterState* interpreter = PyThreadState_GetInterpreter(PyThreadState_Get());
+  for (PyThreadState* thread = PyInterpreterState_ThreadHead(interpreter); thread != nullptr;
+       thread = PyThreadState_Next(thread)) {
+    if (thread->thread_id != thread_id) continue;
+    if (thread->c_profilefunc == &on_wake_event) return 1;
+    if (thread->c_profilefunc != nullptr) return -1;
+    return _PyEval_SetProfile(thread, &on_wake_event, callback.ptr()) == 0 ? 1 : -1;
+  }
+  return 0;
+}
+
+// This thread's wake, disarmed if armed.
+void wake_cancel() {
+  PyThreadState* self = PyThreadState_Get();
+  if (self->c_profilefunc == &on_wake_event) _PyEval_SetProfile(self, nullptr, nullptr);
+}
+
 }  // namespace
 
 bool adaptive_eager::thread_paused() { return t_paused; }
@@ -292,6 +332,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
      "Pass this thread's ops straight through (asking should_resume now and then); with "
      "`kernels`, but for the settled kernels' segments (Note [Kernels while paused]).");
   m.def("is_paused", [] { return t_paused; });
+  m.def("wake_soon", &wake_soon,
+        "Call `callback` on thread `thread_id` at its next Python call event (Note [Waking a "
+        "paused thread]): 1 armed, 0 no such thread, -1 it runs a profiler of its own.");
+  m.def("wake_cancel", &wake_cancel, "Disarm this thread's wake, if armed.");
   m.def("pass_when_idle", &add_idle_op,
         "Run this op (name, overload, is it a host sync) straight through on a thread with no "
         "segment open (Note [Boundaries passed when idle]); a host sync also inside a run, where "

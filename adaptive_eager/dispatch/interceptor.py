@@ -16,6 +16,7 @@ then, and switches a running program at its next control point (Note [Switching 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from typing import Iterator
@@ -23,10 +24,11 @@ from typing import Iterator
 import torch
 
 from adaptive_eager.config import config
-from adaptive_eager.dispatch import native, upcalls
+from adaptive_eager.dispatch import native, upcalls, waking
 from adaptive_eager.dispatch.mode import AdaptiveMode
 
 RESUME_EVERY = 1024    # paused ops between two should_resume() calls (~1 us each)
+WAKE_EVERY_S = 0.05    # between two wakes of a thread asleep in a pause (~10-50 us each)
 
 _local = threading.local()   # .top: this thread's innermost CppInterceptor
 _callbacks_set = False
@@ -48,6 +50,7 @@ class PythonInterceptor:
 
     unseen = False     # (CppInterceptor's sense; a paused mode is off the stack anyway)
     kernels = False    # (a paused mode runs none)
+    asleep = False     # (it needs no waker)
 
     def deactivate(self, unseen: bool = False, kernels: bool = False) -> None:
         if self.is_active():                        # off the stack, its ops pass unseen
@@ -80,6 +83,7 @@ class CppInterceptor:
         self.active = False
         self.unseen = False                # paused with the key out of the dispatch set
         self.kernels = False               # paused, running its kernels (deactivate)
+        self.asleep = False                # paused, the key out, woken by the waker
         self.in_op = False
         # What this thread had before (an outer enable()), restored by close().
         self._outer = getattr(_local, "top", None)
@@ -91,23 +95,39 @@ class CppInterceptor:
         _local.top = self
 
     def activate(self) -> None:
+        self._wake_no_more()
         self.active, self.unseen, self.kernels = True, False, False
         self.ext.set_included(True)
         self.ext.set_paused(False)
 
     def deactivate(self, unseen: bool = False, kernels: bool = False) -> None:
-        """Pass this thread's ops straight through. They still reach the extension's
-        fallback, which counts them to ask now and then whether the pause is over (a bare
-        loop passes no control point); ``kernels`` (the runtime's own pauses) still runs the
-        kernels C++ knows, if any (Note [Kernels while paused] in csrc/hot_path.cpp); else
-        ``unseen``, for a program that comes back to control points, takes the key out of the
-        thread's dispatch set too: a paused op then costs nothing (the boxed pass-through cost
-        ~1 us an op, 5% of a small training step)."""
+        """Pass this thread's ops straight through. ``kernels`` (the runtime's own pauses)
+        still runs the kernels C++ knows, if any (Note [Kernels while paused] in
+        csrc/hot_path.cpp); else ``unseen``, for a program that comes back to control points,
+        takes the key out of the thread's dispatch set too: a paused op then costs nothing
+        (the boxed pass-through cost ~1 us an op, 5% of a small training step). A runtime's
+        own pause without kernels and without control points to end it (a bare loop) takes
+        the key out as well, and the waker ends it (Note [Waking a paused thread] in
+        csrc/intercept.cpp), unless the thread runs a profiler of its own. Else the ops still
+        reach the extension's fallback, which asks now and then whether the pause is over
+        (a sit-out, an optimizer's first step, ends at its post-hook)."""
+        runtime_pause = kernels
         kernels = kernels and self.ext.has_kernels()
-        self.active, self.unseen = False, unseen and not kernels
-        self.kernels = kernels
+        asleep = runtime_pause and not kernels and not unseen and sys.getprofile() is None
+        self.active, self.kernels = False, kernels
+        self.unseen = (unseen or asleep) and not kernels
         self.ext.set_paused(True, kernels)
         self.ext.set_included(not self.unseen)      # (ae.paused() may have taken it out)
+        if asleep:
+            waking.waker(self.ext).wake_later(_woken, WAKE_EVERY_S)
+            self.asleep = True
+        else:
+            self._wake_no_more()
+
+    def _wake_no_more(self) -> None:
+        if self.asleep:
+            self.asleep = False
+            waking.waker(self.ext).cancel()
 
     def is_active(self) -> bool:
         return self.active
@@ -116,6 +136,7 @@ class CppInterceptor:
         return self.active and not self.in_op
 
     def close(self) -> None:
+        self._wake_no_more()
         self.active = False
         self.runtime.native = None
         self.ext.set_open(False)
@@ -155,6 +176,30 @@ def current_runtime():
     """The runtime the C++ interceptor of this thread serves (None: none)."""
     interceptor = getattr(_local, "top", None)
     return None if interceptor is None else interceptor.runtime
+
+
+def _woken() -> None:
+    """The waker's call on a thread asleep in a pause (Note [Waking a paused thread] in
+    csrc/intercept.cpp), at a Python call event of its program: end the pause if it is over
+    (the waker calls again meanwhile). Not inside the runtime's own code (a control point the
+    program passes, enable()): there the next wake comes soon enough."""
+    interceptor = getattr(_local, "top", None)
+    if interceptor is None or not interceptor.asleep or _inside_the_runtime(sys._getframe(1)):
+        return
+    upcalls.control_point()
+
+
+_RUNTIME_MODULES = ("adaptive_eager.api", "adaptive_eager.thread_state",
+                    "adaptive_eager.dispatch.", "adaptive_eager.runtime.",
+                    "adaptive_eager.cache.")
+
+
+def _inside_the_runtime(frame) -> bool:
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(_RUNTIME_MODULES):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _should_resume() -> None:

@@ -50,11 +50,23 @@ def test_python_backend_when_asked():
         assert ae.stats().backend == "python"
 
 
-def test_a_bare_loop_pauses_and_resumes_without_control_points(monkeypatch):
-    from adaptive_eager.dispatch.interceptor import RESUME_EVERY
-    from adaptive_eager.runtime import pausing
-    monkeypatch.setattr(pausing, "PAUSE_FIRST_S", 0.0)  # the pause is over at once...
-    x = torch.randn(8)
+def _loop_until(done, timeout_s: float = 30.0) -> int:
+    """Run a bare loop of tensor ops until ``done()`` (the waker runs on another thread: its
+    wake comes within WAKE_EVERY_S; the deadline only bounds a broken one); iterations."""
+    x, deadline, steps = torch.randn(8), time.monotonic() + timeout_s, 0
+    while not done() and time.monotonic() < deadline:
+        (x * 2).sin().sum()
+        steps += 1
+    return steps
+
+
+def test_a_bare_loop_pauses_with_the_key_out_and_the_waker_resumes_it(monkeypatch):
+    """Note [Waking a paused thread] (csrc/intercept.cpp): a loop that passes no control
+    point pauses as plain eager (the key out of its dispatch set), and the waker ends the
+    pause once it is over."""
+    from adaptive_eager.runtime import clock, pausing
+    monkeypatch.setattr(pausing, "PAUSE_FIRST_S", 3600.0)
+    ext = native.loaded()
     # a new shape every step, each ended by a host sync: keys that never come back, which
     # Python's engine records every time (C++ runs only keys seen twice: Note [Cold plans]
     # in csrc/plans.cpp), what pausing is for
@@ -63,10 +75,45 @@ def test_a_bare_loop_pauses_and_resumes_without_control_points(monkeypatch):
                       HOT_THRESHOLD=5, KEEP_UNPROFITABLE=False), ae.enabled():
         outs = [(x * 2).sin().sum().item() for x in xs]
         assert ae.is_paused() and ae.stats().pauses == 1    # paused with no control point
+        assert not ext.is_included()                       # as plain eager
         seen = ae.stats().ops_seen
-        for _ in range(RESUME_EVERY + 8):                  # ...and noticed within
-            (x * 2).sin().sum()                            # RESUME_EVERY ops
-        assert ae.stats().pauses >= 1 and ae.stats().ops_seen > seen   # intercepting again
+        _loop_until(lambda: False, timeout_s=0.3)          # woken ~6 times: the pause goes on
+        assert ae.is_paused() and ae.stats().ops_seen == seen and not ext.is_included()
+        later = time.monotonic() + 7200                    # the pause is over
+        monkeypatch.setattr(clock, "monotonic", lambda: later)
+        _loop_until(lambda: not ae.is_paused())
+        assert not ae.is_paused() and ext.is_included()
+        _loop_until(lambda: ae.stats().ops_seen > seen)
+        assert ae.stats().ops_seen > seen                  # intercepting again
+    for x, out in zip(xs, outs):
+        assert out == (x * 2).sin().sum().item()
+
+
+def test_a_pause_under_the_programs_own_profiler_keeps_the_key_in(monkeypatch):
+    """The waker would replace a profiler the thread runs (cProfile): there the pause keeps
+    the key in, and the fallback asks every RESUME_EVERY ops whether it is over."""
+    from adaptive_eager.dispatch.interceptor import RESUME_EVERY
+    from adaptive_eager.runtime import pausing
+    monkeypatch.setattr(pausing, "PAUSE_FIRST_S", 0.0)     # over at once: noticed by ops
+    ext = native.loaded()
+    calls = []
+    xs = [torch.randn(8 + i) for i in range(60)]
+    sys.setprofile(lambda *args: calls.append(1))
+    try:
+        with config.patch(BACKEND="cpp", PAUSE=True, PAUSE_WINDOW=20, MIN_SEGMENT_US=1000,
+                          HOT_THRESHOLD=5, KEEP_UNPROFITABLE=False), ae.enabled():
+            outs = [(x * 2).sin().sum().item() for x in xs]
+            paused_with_key = ae.is_paused() and ext.is_included()
+            seen = ae.stats().ops_seen
+            x = xs[0]
+            for _ in range(RESUME_EVERY + 8):
+                (x * 2).sin().sum()
+            resumed = ae.stats().ops_seen > seen
+            profiler = sys.getprofile()
+    finally:
+        sys.setprofile(None)
+    assert paused_with_key and resumed and calls
+    assert profiler is not None and profiler.__name__ == "<lambda>"     # still the program's
     for x, out in zip(xs, outs):
         assert out == (x * 2).sin().sum().item()
 
