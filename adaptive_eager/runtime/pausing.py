@@ -26,13 +26,13 @@ PAUSE_LONGEST_S = 64.0    # ...up to this
 # iteration, as long as the kernel pays for the interception around it (Runtime._watch_kernel),
 # and beside it a few small dynamic segments must not fill it (pausing would stop the kernel
 # too): so no pause comes from fewer than MIN_QUIET_SEGMENTS segments, which lets up to 3 of
-# them sit beside a kernel. A key compiling or due to, in a program that passes control
-# points (the way back), is the whole window at once: the loop's kernel is coming (keys not
-# yet hot are found after the pause). A key waiting, not yet due, keeps the runtime watching if
-# its runs save more than watching them costs (scheduling.worth_watching: ~10 us an op on the
-# C++ backend, ~55 through Python's mode), else it too is the whole window. A program that
-# passes no control point (a bare loop) never pauses while compiles wait or run: Note [No
-# pause without a way back].
+# them sit beside a kernel. A key compiling or due to, where a pause ends by itself (a program
+# that passes control points, or the C++ backend's waker), is the whole window at once: the
+# loop's kernel is coming (keys not yet hot are found after the pause). A key waiting, not yet
+# due, keeps the runtime watching if its runs save more than watching them costs
+# (scheduling.worth_watching: ~10 us an op on the C++ backend, ~55 through Python's mode), else
+# it too is the whole window. Through Python's mode, a program that passes no control point (a
+# bare loop) never pauses while compiles wait or run: Note [No pause without a way back].
 HOPELESS_WEIGHT = 8
 CHURN_WEIGHT = 32
 CHEAP_CHURN_WEIGHT = 4 * CHURN_WEIGHT
@@ -129,16 +129,23 @@ class Pausing:
         return passed >= POINTS_BEFORE_PAUSE or not self.control_points_pass()
 
     def _kernels_pending_without_way_back(self) -> bool:
-        """Note [No pause without a way back]: a pause takes effect and ends at control
+        """Note [No pause without a way back]: Python's mode pauses and resumes at control
         points; a program that passed none since the quiet segments began (a bare loop of
         tensor ops) would pause for good, and a waiting compile starts only at a segment end,
         which a paused loop never reaches: its hot key would wait for ever. So while compiles
         are due or run there, the runtime keeps intercepting (a key still banking keeps it
-        intercepting as long as it comes back: KeyEntry.promising)."""
-        if self.control_points_pass():
+        intercepting as long as it comes back: KeyEntry.promising). On the C++ backend a
+        paused bare loop is woken (Note [Waking a paused thread] in csrc/intercept.cpp): its
+        pause banks, starts compiles and ends when a kernel lands as any other."""
+        if self.has_way_back():
             return False
         table = self.table               # compiles_due walks the waiting keys: last
         return bool(table.compiles_in_flight or table.compiles_due)
+
+    def has_way_back(self) -> bool:
+        """Would a pause end by itself: the program passed a control point lately, or the
+        C++ backend wakes its paused thread?"""
+        return self.native is not None or self.control_points_pass()
 
     def _backend(self) -> str:
         return "python" if self.native is None else "cpp"
@@ -147,9 +154,9 @@ class Pausing:
         if entry.state is KeyState.COMPILING or (entry.state is KeyState.WAITING and (
                 scheduling.is_due(entry) or not scheduling.worth_watching(entry,
                                                                           self._backend()))):
-            # its kernel is coming, or it banks better paused: at a control point, at once,
-            # unless a kernel runs (a pause would stop it): then as a hopeless key
-            if not self.control_points_pass():
+            # its kernel is coming, or it banks better paused: at once where a pause ends
+            # by itself, unless a kernel runs (a pause would stop it): then as a hopeless key
+            if not self.has_way_back():
                 return 1
             return HOPELESS_WEIGHT if self._kernel_ran_lately() else config.PAUSE_WINDOW
         if entry.churning:
@@ -181,7 +188,7 @@ class Pausing:
         self.unpaid_s = 0.0
         counters.add("pauses")
         if (self.table.compiles_in_flight or self.table.compiles_due) and \
-                self.control_points_pass():
+                self.has_way_back():
             self.awaited_answers = self.table.compiles_answered
             return PAUSE_LONGEST_S
         self.awaited_answers = self.table.compiles_answered

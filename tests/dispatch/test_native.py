@@ -89,6 +89,30 @@ def test_a_bare_loop_pauses_with_the_key_out_and_the_waker_resumes_it(monkeypatc
         assert out == (x * 2).sin().sum().item()
 
 
+def test_a_bare_loop_pauses_while_its_kernel_compiles_and_fuses_once_it_lands():
+    """Note [No pause without a way back] (runtime/pausing.py): on the C++ backend a bare
+    loop whose key compiles in the background pauses as plain eager meanwhile (the waker
+    brings it back), instead of being watched until the kernel lands."""
+    x = torch.randn(1 << 12)
+    chain = lambda x: ((x * 2 + 1).sin() * 3).cos().sum().item()   # noqa: E731
+    outs = []
+    with config.patch(BACKEND="cpp", ASYNC=True, COMPILE_TIMEOUT_S=120, PAUSE=True,
+                      KEEP_UNPROFITABLE=True), ae.enabled():
+        ext = native.loaded()
+        for _ in range(50):
+            outs.append(chain(x))
+            if ae.is_paused():
+                break
+        compiling = ae.stats().compiles_in_flight + ae.stats().compiles_waiting
+        assert ae.is_paused() and not ext.is_included() and compiling
+        deadline = time.monotonic() + 120
+        while ae.stats().fused_executions == 0 and time.monotonic() < deadline:
+            outs.append(chain(x))                          # woken, the kernel landed: on
+        assert ae.stats().fused_executions > 0 and ae.stats().compiles == 1
+    for out in outs:
+        assert out == chain(x)
+
+
 def test_a_pause_under_the_programs_own_profiler_keeps_the_key_in(monkeypatch):
     """The waker would replace a profiler the thread runs (cProfile): there the pause keeps
     the key in, and the fallback asks every RESUME_EVERY ops whether it is over."""
