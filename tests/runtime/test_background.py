@@ -54,14 +54,21 @@ def two_threads_on_two_cores(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def test_segments_run_per_op_until_the_worker_delivers(background, compiler,
-                                                       two_threads_on_two_cores, monkeypatch):
-    x = torch.randn(2 * scheduling.SERIAL_BELOW_NUMEL)     # a kernel for the program's threads
+@pytest.fixture
+def requested_threads(monkeypatch) -> list:
+    """The intra-op threads of each compile request sent to the worker."""
     requested = []
     submit = CompileWorker.submit
     monkeypatch.setattr(CompileWorker, "submit",
                         lambda worker, request: (requested.append(request.threads),
                                                  submit(worker, request)))
+    return requested
+
+
+def test_segments_run_per_op_until_the_worker_delivers(background, compiler,
+                                                       two_threads_on_two_cores,
+                                                       requested_threads):
+    x = torch.randn(2 * scheduling.SERIAL_BELOW_NUMEL)     # a kernel for the program's threads
     with ae.enabled():
         early = [chain(x) for _ in range(4)]
         assert _entry().state is KeyState.COMPILING
@@ -73,7 +80,7 @@ def test_segments_run_per_op_until_the_worker_delivers(background, compiler,
         assert _entry().state is KeyState.READY
         assert torch.get_num_threads() == 2              # given back
         late = [chain(x) for _ in range(4)]
-    assert requested == [2]                              # compiled for the program's own
+    assert requested_threads == [2]                      # compiled for the program's own
     for out in early + late:
         assert_equal(out, chain(x))
     stats = ae.stats()
@@ -83,7 +90,7 @@ def test_segments_run_per_op_until_the_worker_delivers(background, compiler,
 
 
 def test_a_kernel_whose_fused_ops_touch_small_tensors_is_compiled_serial(
-        background, two_threads_on_two_cores, monkeypatch):
+        background, two_threads_on_two_cores, requested_threads):
     """Note [Serial kernels]: a decode step's matmul reads a large weight, but the kernel's
     own (fused) ops touch one row: it is compiled for one thread; the matmul runs its
     library's threads either way."""
@@ -93,16 +100,11 @@ def test_a_kernel_whose_fused_ops_touch_small_tensors_is_compiled_serial(
     def project(row):
         return (torch.mm(row, weight) * 2.0).relu() + 1.0
 
-    requested = []
-    submit = CompileWorker.submit
-    monkeypatch.setattr(CompileWorker, "submit",
-                        lambda worker, request: (requested.append(request.threads),
-                                                 submit(worker, request)))
     with ae.enabled():
         outs = [_ran(project, row) for _ in range(4)]
         ae.sync(wait_compiles=120)
         segment = _entry().segment
-    assert requested == [1]
+    assert requested_threads == [1]
     assert scheduling.fused_numel(segment) == weight.shape[1]          # one row's, not W's
     for out in outs:
         assert_equal(out, project(row))
