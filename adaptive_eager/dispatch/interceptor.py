@@ -146,6 +146,8 @@ class CppInterceptor:
         _local.top = self._outer
         self.ext.set_paused(self._was_paused)
         self.ext.set_included(self._was_included)
+        if self._outer is not None and self._outer.asleep:    # (one wake a thread: its own)
+            waking.waker(self.ext).wake_later(_woken, WAKE_EVERY_S)
 
     def on_op(self, func, args: tuple, kwargs: dict):
         runtime = self.runtime

@@ -89,6 +89,32 @@ def test_a_bare_loop_pauses_with_the_key_out_and_the_waker_resumes_it(monkeypatc
         assert out == (x * 2).sin().sum().item()
 
 
+def test_an_outer_enable_asleep_is_still_woken_after_an_inner_one_slept_and_ended(
+        monkeypatch):
+    """One wake a thread: an inner enable() that paused asleep and ended hands the wake back
+    to the outer one, still asleep (else its pause would only end at a control point)."""
+    from adaptive_eager.runtime import clock, pausing
+    monkeypatch.setattr(pausing, "PAUSE_FIRST_S", 3600.0)
+
+    def churn():                       # new shapes ended by host syncs: a pause soon
+        for i in range(60):
+            (torch.randn(8 + i) * 2).sin().sum().item()
+            if ae.is_paused():
+                return
+    with config.patch(BACKEND="cpp", PAUSE=True, PAUSE_WINDOW=20, MIN_SEGMENT_US=1000,
+                      HOT_THRESHOLD=5, KEEP_UNPROFITABLE=False), ae.enabled():
+        churn()
+        assert ae.is_paused()
+        with ae.enabled():
+            churn()
+            inner_paused = ae.is_paused()
+        assert inner_paused and ae.is_paused()
+        later = time.monotonic() + 7200                    # the outer pause is over
+        monkeypatch.setattr(clock, "monotonic", lambda: later)
+        _loop_until(lambda: not ae.is_paused())
+        assert not ae.is_paused()
+
+
 def test_a_bare_loop_pauses_while_its_kernel_compiles_and_fuses_once_it_lands():
     """Note [No pause without a way back] (runtime/pausing.py): on the C++ backend a bare
     loop whose key compiles in the background pauses as plain eager meanwhile (the waker
