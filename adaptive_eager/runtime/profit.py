@@ -33,7 +33,7 @@ class ProfitTrial:
     # ops (Python's, in a model's forward). A per-op run beside it is timed as its ops' time
     # plus that same program time (the run's wait, less what deferring its ops cost:
     # scheduling.program_seconds), since an eager run spends it too. Timed as its ops' time
-    # alone, a small Llama's decode segments (~0.2 ms of ops among ~0.2 ms of Python) each
+    # alone, a small Llama's decode segments (~0.2 ms of ops among ~0.3 ms of Python) each
     # looked ~2x slower fused and were all dropped.
     #
     # Note [Trials without a compile beside]
