@@ -160,8 +160,8 @@ class Compiles:
     def send(self, finish: Callable, compiler, digest: str, segment: tuple, metas: tuple,
              variants: tuple = (), largest_numel: int = 0) -> None:
         """A compile request to the worker; ``finish(result)`` handles its result (a key's
-        kernel, or a structure's generic one, compiled serial). ``largest_numel``: what the
-        segment's fused ops touch (Note [Serial kernels] in runtime/scheduling.py)."""
+        kernel, or a structure's generic one). ``largest_numel``: what the segment's (or its
+        variants') fused ops touch (Note [Serial kernels] in runtime/scheduling.py)."""
         if self.worker is None:
             self.worker = CompileWorker(self._disk.store.directory, config.COMPILE_TIMEOUT_S)
             prepare_loading(compiler)

@@ -21,6 +21,7 @@ from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.entries import (GENERIC_VARIANTS, KeyEntry, KeyState, Structure,
                                             structure_of)
 from adaptive_eager.runtime.generic import fits, from_wire, generalize
+from adaptive_eager.runtime.scheduling import fused_numel
 from adaptive_eager.runtime.kernels import LoadedKernels
 from adaptive_eager.runtime.segment import to_wire
 from adaptive_eager.runtime.stats import counters
@@ -58,7 +59,8 @@ class GenericKernels:
         if self._compiles.in_background:
             self._compiles.send(functools.partial(self._finish, structure, example), compiler,
                                 structure.digest, to_wire(example), (),
-                                tuple(to_wire(v) for v in variants))
+                                tuple(to_wire(v) for v in variants),
+                                largest_numel=max(fused_numel(v) for v in variants))
             return
         started = time.perf_counter()
         try:

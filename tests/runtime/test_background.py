@@ -110,6 +110,20 @@ def test_a_kernel_whose_fused_ops_touch_small_tensors_is_compiled_serial(
         assert_equal(out, project(row))
 
 
+def test_a_generic_kernel_over_large_shapes_is_compiled_for_the_programs_threads(
+        background, compiler, two_threads_on_two_cores, requested_threads):
+    """Note [Serial kernels]: a generic kernel is sized by the shapes it is derived from."""
+    xs = [torch.randn(scheduling.SERIAL_BELOW_NUMEL * k) for k in (2, 3, 4)]
+    with ae.enabled():
+        outs = [_ran(chain, x) for _ in range(3) for x in xs]
+        ae.sync(wait_compiles=120)
+        stats = ae.stats()
+    assert stats.generic_kernels == 1 and stats.compiles == 1
+    assert requested_threads == [2]
+    for out, x in zip(outs, xs * 3):
+        assert_equal(out, chain(x))
+
+
 def test_a_hot_key_compiles_once_its_runs_banked_the_compile_cost(background, monkeypatch):
     """Note [When to compile]: no worker until then; counted in runs, not wall time."""
     monkeypatch.setattr(scheduling, "predicted_saving_s", lambda entry: 0.1)   # per run
