@@ -17,6 +17,8 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager.config import _default_cache_dir, config
 from adaptive_eager.dispatch import native
+from adaptive_eager.runtime.compiler import use_compiler
+from adaptive_eager.testing import CountingCompiler
 from helpers import MECHANICS_ENV, assert_equal
 
 pytestmark = pytest.mark.usefixtures("cpp_extension")
@@ -115,22 +117,37 @@ def test_an_outer_enable_asleep_is_still_woken_after_an_inner_one_slept_and_ende
         assert not ae.is_paused()
 
 
-def test_a_bare_loop_pauses_while_its_kernel_compiles_and_fuses_once_it_lands():
+class GatedCompiler(CountingCompiler):
+    """Compiles (in the worker) once the file ADAPTIVE_EAGER_TEST_GATE names exists."""
+
+    def compile(self, graph, example_inputs):
+        gate, deadline = os.environ["ADAPTIVE_EAGER_TEST_GATE"], time.monotonic() + 120
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return super().compile(graph, example_inputs)
+
+
+def test_a_bare_loop_pauses_while_its_kernel_compiles_and_fuses_once_it_lands(tmp_path,
+                                                                             monkeypatch):
     """Note [No pause without a way back] (runtime/pausing.py): on the C++ backend a bare
     loop whose key compiles in the background pauses as plain eager meanwhile (the waker
     brings it back), instead of being watched until the kernel lands."""
+    gate = tmp_path / "compile-now"
+    monkeypatch.setenv("ADAPTIVE_EAGER_TEST_GATE", str(gate))    # (the worker inherits it)
     x = torch.randn(1 << 12)
     chain = lambda x: ((x * 2 + 1).sin() * 3).cos().sum().item()   # noqa: E731
     outs = []
-    with config.patch(BACKEND="cpp", ASYNC=True, COMPILE_TIMEOUT_S=120, PAUSE=True,
-                      KEEP_UNPROFITABLE=True), ae.enabled():
+    with use_compiler(GatedCompiler()), \
+            config.patch(BACKEND="cpp", ASYNC=True, COMPILE_TIMEOUT_S=120, PAUSE=True,
+                         KEEP_UNPROFITABLE=True), ae.enabled():
         ext = native.loaded()
-        for _ in range(50):
+        for _ in range(1000):           # C++ runs the key's cold plan, counted at its harvests
             outs.append(chain(x))
             if ae.is_paused():
                 break
-        compiling = ae.stats().compiles_in_flight + ae.stats().compiles_waiting
+        compiling = ae.stats().compiles_in_flight
         assert ae.is_paused() and not ext.is_included() and compiling
+        gate.touch()                                       # the compile may finish now
         deadline = time.monotonic() + 120
         while ae.stats().fused_executions == 0 and time.monotonic() < deadline:
             outs.append(chain(x))                          # woken, the kernel landed: on
