@@ -274,7 +274,9 @@ int wake_soon(unsigned long thread_id, py::object callback) {
     if (thread->thread_id != thread_id) continue;
     if (thread->c_profilefunc == &on_wake_event) return 1;
     if (thread->c_profilefunc != nullptr) return -1;
-    return _PyEval_SetProfile(thread, &on_wake_event, callback.ptr()) == 0 ? 1 : -1;
+    if (_PyEval_SetProfile(thread, &on_wake_event, callback.ptr()) == 0) return 1;
+    PyErr_Clear();                       // (an audit hook refused sys.setprofile: try later)
+    return -1;
   }
   return 0;
 }

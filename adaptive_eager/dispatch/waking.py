@@ -52,7 +52,11 @@ class Waker:
                     continue
                 _, every, callback = self._due[thread_id]
                 self._due[thread_id] = (time.monotonic() + every, every, callback)
-            if self._ext.wake_soon(thread_id, callback) == NO_SUCH_THREAD:
+            try:
+                answer = self._ext.wake_soon(thread_id, callback)
+            except Exception:  # noqa: BLE001 - the waker must outlive any one thread's wake
+                answer = PROFILED                   # (tried again in ``every``)
+            if answer == NO_SUCH_THREAD:
                 with self._changed:
                     if self._due.get(thread_id, (0, 0, None))[2] is callback:
                         del self._due[thread_id]
