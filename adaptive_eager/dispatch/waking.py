@@ -58,8 +58,7 @@ class Waker:
                 answer = PROFILED                   # (tried again in ``every``)
             if answer == NO_SUCH_THREAD:
                 with self._changed:
-                    if self._due.get(thread_id, (0, 0, None))[2] is callback:
-                        del self._due[thread_id]
+                    self._due.pop(thread_id, None)
 
     def _next(self) -> tuple[int, float]:
         """The thread due first and when (waiting, under the lock, while none is)."""

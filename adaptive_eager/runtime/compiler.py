@@ -142,8 +142,9 @@ def compile_segment(segment: Segment, compiler: Compiler) -> tuple[FusedKernel, 
     example_inputs = [meta.empty() for meta in segment.input_metas]
     example_inputs += [segment.out_meta(ref).empty() for ref in segment.live_refs]
     faults.check_compile()
-    from adaptive_eager.runtime.scheduling import fused_numel, kernel_threads   # Note [Serial kernels]
-    threads, program_threads = kernel_threads(fused_numel(segment)), torch.get_num_threads()
+    from adaptive_eager.runtime.scheduling import fused_numel, kernel_threads
+    threads = kernel_threads(fused_numel(segment))          # Note [Serial kernels]
+    program_threads = torch.get_num_threads()
     torch.set_num_threads(threads)          # (synchronous compiles: tests and debugging)
     try:
         kernel = compiler.compile(graph, example_inputs)

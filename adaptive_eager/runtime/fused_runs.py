@@ -23,7 +23,7 @@ from adaptive_eager.runtime.verify import Verification, VerificationError
 
 class FusedRuns:
     """Mixed into ``Runtime``: how a deferred run ends (it needs ``_hot``, ``_builder``,
-    ``pool``, ``native``, ``table``, ``_per_op`` and ``_watch_kernel``)."""
+    ``pool``, ``native``, ``table``, ``_per_op``, ``_backend`` and ``_watch_kernel``)."""
 
     def _end_hot(self) -> bool:
         """Finish a deferred run: fused if a kernel fits, else replayed per-op.
@@ -60,8 +60,8 @@ class FusedRuns:
         trial per-op instead, and time it for the comparison (Note [Like for like])."""
         waited_s = clock.perf_counter() - builder.started
         ops_s = self._replay(builder, live)
-        backend = "python" if self.native is None else "cpp"
-        self.table.touch_eager(variant, ops_s + program_seconds(waited_s, len(builder), backend))
+        self.table.touch_eager(variant, ops_s + program_seconds(waited_s, len(builder),
+                                                                self._backend()))
 
     def _replay(self, builder: SegmentBuilder, live: tuple) -> float:
         """Run the deferred ops per-op into the tensors the user holds; the ops' seconds."""

@@ -21,8 +21,8 @@ from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.entries import (GENERIC_VARIANTS, KeyEntry, KeyState, Structure,
                                             structure_of)
 from adaptive_eager.runtime.generic import fits, from_wire, generalize
-from adaptive_eager.runtime.scheduling import fused_numel
 from adaptive_eager.runtime.kernels import LoadedKernels
+from adaptive_eager.runtime.scheduling import fused_numel
 from adaptive_eager.runtime.segment import to_wire
 from adaptive_eager.runtime.stats import counters
 

@@ -28,15 +28,7 @@ class ProfitTrial:
         self._lock = lock                 # the key table's
         self._loaded = loaded
         self._records = records
-        self._compiling = compiling       # Note [Like for like]: a fused run's time is its wall time from its first op deferred to
-    # its kernel's end: deferring its ops, the kernel, and the program's own code between the
-    # ops (Python's, in a model's forward). A per-op run beside it is timed as its ops' time
-    # plus that same program time (the run's wait, less what deferring its ops cost:
-    # scheduling.program_seconds), since an eager run spends it too. Timed as its ops' time
-    # alone, a small Llama's decode segments (~0.2 ms of ops among ~0.3 ms of Python) each
-    # looked ~2x slower fused and were all dropped.
-    #
-    # Note [Trials without a compile beside]
+        self._compiling = compiling       # Note [Trials without a compile beside]
 
     def fused_run(self, variant: Variant, seconds: float | None, runs: int = 1) -> None:
         """``runs`` fused runs of ``variant``, the last of which took ``seconds`` (None: not
@@ -64,6 +56,14 @@ class ProfitTrial:
     # its runs alternate with runs of the deferred segment per-op (the ops' own time, as a
     # paused program would spend it), PROFIT_SAMPLES of each after the warm-up run. Per-op
     # runs give eager's results exactly, and the trial costs nothing against eager.
+    #
+    # Note [Like for like]: a fused run's time is its wall time from its first op deferred to
+    # its kernel's end: deferring its ops, the kernel, and the program's own code between the
+    # ops (Python's, in a model's forward). A per-op run beside it is timed as its ops' time
+    # plus that same program time (the run's wait, less what deferring its ops cost:
+    # scheduling.program_seconds), since an eager run spends it too. Timed as its ops' time
+    # alone, a small Llama's decode segments (~0.2 ms of ops among ~0.3 ms of Python) each
+    # looked ~2x slower fused and were all dropped.
     #
     # Note [Trials without a compile beside]: side by side is not enough while the worker
     # compiles another key. The worker takes a core from the program; a fused run (often
