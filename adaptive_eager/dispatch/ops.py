@@ -86,7 +86,8 @@ UNINITIALIZED_OUTPUT_OPS = frozenset({
 # Ops Inductor leaves to an extern library kernel (BLAS, oneDNN, attention) on CPU and GPU.
 EXTERN_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::mv",
-    "aten::addmv", "aten::dot", "aten::_addmm_activation", "aten::convolution",
+    "aten::addmv", "aten::dot", "aten::_addmm_activation", "aten::_grouped_mm",
+    "aten::convolution",
     "aten::convolution_backward", "aten::_convolution", "aten::mkldnn_convolution",
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward",

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from adaptive_eager.dispatch.signature import KEY_CONTEXT_FIELDS
 from adaptive_eager.runtime import scheduling
 from adaptive_eager.runtime.entries import MIN_COMPUTE_OPS, KeyEntry
@@ -19,9 +21,9 @@ def _grad_enabled(segment: Segment, op) -> bool:
     return segment.context[KEY_CONTEXT_FIELDS.index("grad_enabled")]
 
 
-# Ops whose Inductor kernels compile but fail when run (torch 2.13): a segment holding one
-# would cost a compile (10 s here) only to run per-op for good (kernel_error). Each maps to
-# the calls that fail, given (segment, op).
+# Ops whose Inductor kernels fail (torch 2.13), when compiled or when run: a segment holding
+# one would cost a compile (10 s here) only to run per-op for good (compile_failed,
+# kernel_error). Each maps to the calls that fail, given (segment, op).
 def _accumulates_one_index_on_cpu(segment: Segment, op) -> bool:
     """An ``index_put(..., accumulate=True)`` on the CPU whose index tensors hold one element
     (the gradient of ``t[..., [i], :]``)."""
@@ -31,6 +33,12 @@ def _accumulates_one_index_on_cpu(segment: Segment, op) -> bool:
     return getattr(accumulate, "value", False) is True and meta is not None \
         and meta.device.type == "cpu" and bool(indices) \
         and all(math.prod(getattr(index, "shape", (0,))) == 1 for index in indices)
+
+
+def _grouped_mm_not_bf16(segment: Segment, op) -> bool:
+    """A ``_grouped_mm`` of other than bfloat16 matrices: eager runs it on the CPU in any
+    float type, but its meta function (which Inductor traces with) takes bfloat16 only."""
+    return any(getattr(matrix, "dtype", None) is not torch.bfloat16 for matrix in op.args[:2])
 
 
 _KERNELS_FAIL = {
@@ -56,6 +64,8 @@ _KERNELS_FAIL = {
     # right; whether a segment's loop is tiled is Inductor's choice, so every CPU segment with
     # a one-element accumulating index_put stays per-op.
     "aten::index_put": _accumulates_one_index_on_cpu,
+    # Mixtral's and the Qwen MoEs' experts in float32: "Expected inputs of BF16 type".
+    "aten::_grouped_mm": _grouped_mm_not_bf16,
 }
 
 

@@ -34,6 +34,10 @@ def build_graph(segment: Segment, live_refs: tuple[Ref, ...]) -> fx.GraphModule:
 
     for index, op in enumerate(segment.ops):
         args, kwargs = _decode_call(op, node_of)
+        single = _cat_of_one(op, args, kwargs)
+        if single is not None:
+            values[("out", index, 0)] = graph.call_function(*single)
+            continue
         per_tensor = _per_tensor_calls(op, args, kwargs)
         if per_tensor is not None:
             nodes = [graph.call_function(func, tuple(call), keywords)
@@ -86,6 +90,46 @@ def _per_tensor_calls(op: OpRecord, args: list, kwargs: dict) -> list | None:
         calls.append((per_tensor, tensors, {as_kwarg: scalar}) if as_kwarg
                      else (per_tensor, [*tensors, scalar], {}))
     return calls
+
+
+# Note [A cat of one tensor]
+# ``torch.cat`` skips empty 1-D tensors (transformers' key/value caches start as
+# ``torch.tensor([])``). Eager's cat of what is left, one tensor, returns a new contiguous
+# tensor; Inductor's decomposition returns a clone in that tensor's own layout. The views the
+# segment recorded after it carry eager's strides (``matmul`` records a ``_reshape_alias``),
+# and tracing them over the other layout failed: GPT-2's attention never compiled. So such a
+# cat goes into the graph as the copy eager makes, in eager's recorded layout.
+
+def _cat_of_one(op: OpRecord, args: list, kwargs: dict) -> tuple | None:
+    """(func, args, kwargs) of the copy a ``cat`` of one non-empty tensor makes, in the
+    layout eager gave it (Note [A cat of one tensor]); None for any other op or cat."""
+    if op.func is not aten.cat.default or \
+            not all(type(tensor) is TensorArg for tensor in op.args[0]):
+        return None
+    out = op.out_metas[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    kept = [index for index, tensor in enumerate(op.args[0])
+            if not _skipped_by_cat(tensor.shape, dim)]
+    if len(kept) != 1 or out is None:
+        return None
+    tensor, node = op.args[0][kept[0]], args[0][kept[0]]
+    layout = _memory_format(out)
+    if tensor.shape != out.shape or layout is None:
+        return None
+    return aten._to_copy.default, (node,), {"dtype": out.dtype, "memory_format": layout}
+
+
+def _skipped_by_cat(shape: tuple, dim: int) -> bool:
+    return shape == (0,) or (-len(shape) <= dim < len(shape) and shape[dim] == 0)
+
+
+def _memory_format(meta) -> torch.memory_format | None:
+    """The memory format whose strides ``meta`` has (None: neither of these)."""
+    probe = torch.empty_strided(meta.shape, meta.stride, device="meta")   # no memory
+    for layout in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d):
+        if probe.is_contiguous(memory_format=layout):
+            return layout
+    return None
 
 
 def name_outputs(graph: fx.Graph, values: dict, index: int, op: OpRecord, node: fx.Node) -> None:

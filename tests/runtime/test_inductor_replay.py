@@ -85,3 +85,26 @@ def test_a_loop_that_drops_its_results_fuses_through_the_worker():
     assert stats.compiles == 1 and stats.compile_failures == 0
     assert stats.fused_executions >= 3
     assert_equal(kept, chain(x))
+
+
+def test_a_cat_with_a_legacy_empty_tensor_keeps_eagers_layout_in_the_kernel():
+    """Transformers' key cache starts as ``torch.tensor([])``: eager's ``cat([empty, k])``
+    returns a contiguous tensor, Inductor's decomposition a clone in ``k``'s own (transposed)
+    layout, so the reshape that ``matmul`` records with eager's strides could not be traced:
+    GPT-2's attention failed to compile."""
+    empty = torch.tensor([])
+
+    def attend(x, q):
+        k = (x * 2).view(2, 12, 4, 8).transpose(1, 2)
+        k = torch.cat([empty, k], dim=-2)
+        return torch.matmul(q, k.transpose(-1, -2) * 0.5).softmax(-1)
+
+    x, q = torch.randn(2, 12, 32), torch.randn(2, 4, 12, 8)
+    expected = attend(x, q)
+    with ae.enabled():
+        got = [attend(x, q) for _ in range(4)]
+        ae.sync()
+    stats = ae.stats()
+    assert stats.compile_failures == 0 and stats.fused_executions >= 2
+    for result in got:
+        torch.testing.assert_close(result, expected)

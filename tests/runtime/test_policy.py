@@ -182,6 +182,24 @@ def test_stats_is_a_frozen_record():
     assert isinstance(as_dict["fallbacks"], dict)
 
 
+def test_a_float32_grouped_mm_is_not_compiled(compiler):
+    """Mixtral's experts in float32: eager runs ``_grouped_mm`` on the CPU, but the meta
+    function Inductor traces with takes bfloat16 only, so every such compile failed."""
+    offsets = torch.tensor([3, 8], dtype=torch.int32)
+    experts = torch.randn(2, 8, 16).transpose(1, 2)
+
+    def step(x):
+        return torch._grouped_mm((x * 2).sin(), experts, offs=offsets).relu() + 1
+    x = torch.randn(8, 16)
+    with ae.enabled():
+        got = [step(x) for _ in range(4)]
+        states = _states_with("aten._grouped_mm.default")
+    assert states and all(s == (KeyState.UNFUSIBLE, "compiler_unsupported") for s in states)
+    assert compiler.count == 0
+    for result in got:
+        assert_equal(result, step(x))
+
+
 def test_an_accumulating_index_put_on_cpu_is_not_compiled(compiler):
     """Falcon's backward: Inductor's CPU kernels of segments with index_put(accumulate=True)
     and one-element indices wrote past their output (Note [Accumulating index_put on the
