@@ -280,6 +280,8 @@ def control_point() -> None:
         landed = _banked_a_kernel(runtime)
         if landed or clock.monotonic() >= enabled.paused_until:
             _resume(enabled, kernel_landed=landed)
+        else:
+            _drop_kernels_that_do_not_pay(enabled)
     if isinstance(interceptor, interceptors.PythonInterceptor) and interceptors.switch_ready(
             interceptor):
         _switch_backend()
@@ -329,9 +331,25 @@ def _pause(enabled, seconds: float) -> None:
 
 
 def _deactivate_paused(enabled) -> None:
-    """A runtime's own pause: its kernels run on; the key out where a control point or the
-    waker ends it (CppInterceptor.deactivate)."""
-    enabled.interceptor.deactivate(unseen=enabled.runtime.control_points_pass(), kernels=True)
+    """A runtime's own pause: its kernels run on, as long as they pay for it; the key out
+    where a control point or the waker ends it (CppInterceptor.deactivate)."""
+    runtime, interceptor = enabled.runtime, enabled.interceptor
+    unseen = runtime.control_points_pass()
+    if runtime.kernels_unpaid:            # (back from ae.paused() into this pause)
+        interceptor.drop_kernels(unseen)
+        return
+    interceptor.deactivate(unseen=unseen, kernels=True)
+    if interceptor.kernels:
+        runtime.keeps_kernels_paused()
+
+
+def _drop_kernels_that_do_not_pay(enabled) -> None:
+    """Note [Kernels that do not pay while paused] (runtime/paused_kernels.py)."""
+    interceptor, runtime = enabled.interceptor, enabled.runtime
+    if interceptor.kernels and not runtime.kernels_pay_while_paused(
+            interceptor.take_paused_ops()):
+        runtime.flush()               # a run deferred along a kernel's path: ended first
+        interceptor.drop_kernels(unseen=runtime.control_points_pass())
 
 
 def _resume(enabled, kernel_landed: bool) -> None:

@@ -84,6 +84,7 @@ class CppInterceptor:
         self.unseen = False                # paused with the key out of the dispatch set
         self.kernels = False               # paused, running its kernels (deactivate)
         self.asleep = False                # paused, the key out, woken by the waker
+        self.paused_ops = 0                # passed while paused with kernels, not yet taken
         self.in_op = False
         # What this thread had before (an outer enable()), restored by close().
         self._outer = getattr(_local, "top", None)
@@ -111,10 +112,20 @@ class CppInterceptor:
         csrc/intercept.cpp), unless the thread runs a profiler of its own. Else the ops still
         reach the extension's fallback, which asks now and then whether the pause is over
         (a sit-out, an optimizer's first step, ends at its post-hook)."""
-        runtime_pause = kernels
-        kernels = kernels and self.ext.has_kernels()
+        self._pause(unseen, runtime_pause=kernels, kernels=kernels and self.ext.has_kernels())
+
+    def drop_kernels(self, unseen: bool) -> None:
+        """The runtime's pause goes on without its kernels, as a pause without any (Note
+        [Kernels that do not pay while paused] in runtime/paused_kernels.py)."""
+        self._pause(unseen, runtime_pause=True, kernels=False)
+
+    def take_paused_ops(self) -> int:
+        ops, self.paused_ops = self.paused_ops, 0
+        return ops
+
+    def _pause(self, unseen: bool, runtime_pause: bool, kernels: bool) -> None:
         asleep = runtime_pause and not kernels and not unseen and sys.getprofile() is None
-        self.active, self.kernels = False, kernels
+        self.active, self.kernels, self.paused_ops = False, kernels, 0
         self.unseen = (unseen or asleep) and not kernels
         self.ext.set_paused(True, kernels)
         self.ext.set_included(not self.unseen)      # (ae.paused() may have taken it out)
@@ -206,7 +217,10 @@ def _inside_the_runtime(frame) -> bool:
 
 def _should_resume() -> None:
     """Every RESUME_EVERY paused ops: end the pause if it is over (thread_state.control_point)."""
-    if getattr(_local, "top", None) is not None:
+    interceptor = getattr(_local, "top", None)
+    if interceptor is not None:
+        if interceptor.kernels:            # (counted for the pause's kernel ledger)
+            interceptor.paused_ops += RESUME_EVERY
         upcalls.control_point()
 
 

@@ -44,6 +44,7 @@ DECISIONS = {
     "fallback": (logging.DEBUG, "reason"),
     "pause_requested": (logging.INFO, None),
     "paused": (logging.INFO, None),
+    "paused_without_kernels": (logging.INFO, None),
     "resumed": (logging.INFO, None),
     "backend_switched": (logging.INFO, None),
     "first_step_plain": (logging.INFO, "optimizer"),

@@ -9,8 +9,9 @@ import math
 
 from adaptive_eager.config import config
 from adaptive_eager.dispatch import control
-from adaptive_eager.runtime import clock, scheduling
+from adaptive_eager.runtime import clock, native_plans, scheduling
 from adaptive_eager.runtime.decisions import decide
+from adaptive_eager.runtime.paused_kernels import KernelLedger
 from adaptive_eager.runtime.policy import KeyState
 from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime.step_judge import Judge
@@ -67,6 +68,8 @@ class Pausing:
         self.pause_backoff_s = PAUSE_FIRST_S
         self.awaited_answers: int | None = None   # see awaited_kernel_landed()
         self.judge = Judge.starting_at(clock.monotonic())   # Note [Judged by the step]
+        self.kernel_ledger: KernelLedger | None = None   # a pause keeping its kernels
+        self.kernels_unpaid = False              # this pause's kernels did not pay: dropped
 
     def _watch_kernel(self, variant, runs: int = 1) -> None:
         """Note [Pausing]: a kernel keeps the runtime intercepting only while what its runs
@@ -77,6 +80,9 @@ class Pausing:
         side]) is given the benefit of the doubt."""
         self._segments_since_kernel = 0
         saving = variant.entry.saving_s
+        if self.kernel_ledger is not None:
+            self.kernel_ledger.credit(scheduling.predicted_saving_s(variant.entry)
+                                      if saving is None else saving, runs)
         if saving is None:
             self.unpaid_s = 0.0
             self._watch(None)                  # news: a probe that finds it was fruitful
@@ -186,6 +192,7 @@ class Pausing:
         self.flush()
         self.pause_requested, self.quiet_segments, self.quiet_count = False, 0, 0
         self.unpaid_s = 0.0
+        self._pause_begins()
         counters.add("pauses")
         if (self.table.compiles_in_flight or self.table.compiles_due) and \
                 self.has_way_back():
@@ -201,11 +208,37 @@ class Pausing:
         windows (until it says, math.inf), or the pause it decided. Either ends if a kernel
         lands meanwhile (awaited_kernel_landed), as any pause."""
         self.awaited_answers = self.table.compiles_answered
+        self._pause_begins()
         if window:
             return math.inf
         self.unpaid_s = 0.0
         counters.add("pauses")
         return self.judge.paused_for()
+
+    def keeps_kernels_paused(self) -> None:
+        """A pause began that keeps the thread's kernels: open its ledger (Note [Kernels
+        that do not pay while paused] in runtime/paused_kernels.py), or go on with the one
+        open (an ``ae.paused()`` block came between)."""
+        if self.kernel_ledger is None:
+            self.kernel_ledger = KernelLedger(divergences_at=counters.value("divergences"))
+
+    def kernels_pay_while_paused(self, ops: int) -> bool:
+        """``ops`` more ops passed the paused thread that keeps its kernels: do they still
+        pay for it? Once a verdict says no, the ledger is closed (the caller drops them)."""
+        ledger = self.kernel_ledger
+        if ledger is None or not ledger.count_ops(ops):
+            return True
+        native_plans.touch_pending(self.table)        # the fused runs C++ made: credited
+        native_plans.publish_counts()                 # and the divergences
+        divergences = counters.value("divergences")
+        saved_s, cost_s = ledger.saved_s, ledger.cost_s(divergences)
+        if ledger.pays(divergences):
+            return True
+        self.kernel_ledger, self.kernels_unpaid = None, True
+        counters.add("pauses_without_kernels")
+        decide("paused_without_kernels", saved_ms=round(saved_s * 1e3, 2),
+               cost_ms=round(cost_s * 1e3, 2))
+        return False
 
     def resumed(self, kernel_landed: bool) -> None:
         """A pause ended. One that ended because a kernel landed gives the kernel a chance
@@ -213,9 +246,14 @@ class Pausing:
         (_weight) for PAUSE_WINDOW segments. Without that, a training loop resumed at its
         optimizer step paused again within that step, before its forward, whose kernel had
         landed, ever ran fused."""
+        self._pause_begins()
         self._points_at_resume = control.points_passed()
         if kernel_landed:
             self._segments_since_kernel = 0
+
+    def _pause_begins(self) -> None:
+        """(or ends): no kernel ledger, no verdict on this pause's kernels yet."""
+        self.kernel_ledger, self.kernels_unpaid = None, False
 
     def awaited_kernel_landed(self) -> bool:
         """Did the compile this pause waits for end (a kernel, or a failure)? Collects it."""

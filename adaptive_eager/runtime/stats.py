@@ -43,6 +43,8 @@ class Stats:
     cache_hits_disk: int = 0
     cache_load_seconds: float = 0.0
     pauses: int = 0
+    pauses_without_kernels: int = 0     # pauses that kept kernels until they did not pay
+                                        # (Note [Kernels that do not pay while paused])
     backend: str = ""               # "cpp" or "python": what intercepts (see api.backend)
     fallbacks: types.MappingProxyType = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))
@@ -77,6 +79,10 @@ class Counters:
     def add(self, name: str, amount: float = 1) -> None:
         with self._lock:
             self._values[name] += amount
+
+    def value(self, name: str) -> float:
+        with self._lock:
+            return self._values[name]
 
     def fallback(self, reason: str, amount: int = 1) -> None:
         """Count ops that ran per-op (or segments not fused) for a named reason."""

@@ -506,6 +506,70 @@ def _train_paused_by_the_step_judge(train, model, steps, on_step, fused_while_pa
     return losses
 
 
+def test_a_pause_drops_kernels_whose_paths_only_part(compiler):
+    """Note [Kernels that do not pay while paused] (runtime/paused_kernels.py): a paused loop
+    whose ops start a kernel's path and part from it (its first calls are the kernel's) only
+    pays for keeping the kernel: the key in, each run deferred and replayed. After a ledger's
+    worth of ops the pause goes on without the kernel, the key out, as plain eager."""
+    from adaptive_eager import thread_state
+    from adaptive_eager.runtime import paused_kernels
+    ext = native.loaded()
+    x = torch.randn(64)
+    fused = lambda t: ((t * 2 + 1).sin() * 3).cos()        # noqa: E731
+    parting = lambda t: ((t * 2 + 1).tanh() * 3).exp()     # noqa: E731  (parts at tanh)
+    with config.patch(BACKEND="cpp"), ae.enabled():
+        for _ in range(4):
+            fused(x)
+        ae.sync()
+        assert ae.stats().fused_executions >= 1 and ext.has_kernels()
+        enabled = thread_state.top()
+        thread_state._pause(enabled, enabled.runtime.paused_for())   # as pausing would
+        assert ext.is_paused() and ext.is_included()              # kernels kept: the key in
+        divergences = ae.stats().divergences
+        runs = paused_kernels.LEDGER_OPS // 5 + 50                # 5 ops a run
+        got = [parting(x) for _ in range(runs)]
+        stats = ae.stats()
+        assert stats.divergences - divergences >= 50              # the path started, parted
+        assert stats.pauses_without_kernels == 1
+        assert ae.is_paused() and not ext.is_included()           # plain eager now
+        before = ae.stats().divergences
+        more = [parting(x) for _ in range(20)]
+        assert ae.stats().divergences == before
+    for result in got + more:
+        assert_equal(result, parting(x))
+
+
+def test_kernels_dropped_in_the_middle_of_a_deferred_run_end_it_first(compiler,
+                                                                        monkeypatch):
+    """The verdict comes at an op (every RESUME_EVERY paused ops): a run deferred along the
+    kernel's path up to it ends before the op runs plainly, which reads its results."""
+    from adaptive_eager import thread_state
+    from adaptive_eager.dispatch import interceptor as interceptors
+    from adaptive_eager.runtime import paused_kernels
+    ext = native.loaded()
+    x = torch.randn(64)
+    fused = lambda t: ((t * 2 + 1).sin() * 3).cos()        # noqa: E731
+    with config.patch(BACKEND="cpp"), ae.enabled():
+        for _ in range(4):
+            fused(x)
+        ae.sync()
+        enabled = thread_state.top()
+        thread_state._pause(enabled, enabled.runtime.paused_for())
+        monkeypatch.setattr(paused_kernels, "LEDGER_OPS", 1)
+        monkeypatch.setattr(paused_kernels, "PASS_THROUGH_S_PER_OP", 1.0)   # never pays
+        y = x * 2
+        assert ext.run_pending()                  # deferred: the kernel's path started
+        excluded = ext.set_excluded(True)         # as the extension calls it at an op:
+        try:                                      # what Python runs then is not seen
+            interceptors._should_resume()
+        finally:
+            ext.set_excluded(excluded)
+        assert not ext.run_pending() and not ext.is_included()
+        got = (y + 1).tanh()
+        assert ae.stats().pauses_without_kernels == 1
+    assert_equal(got, (x * 2 + 1).tanh())
+
+
 def test_a_paused_training_loop_still_runs_its_kernels(compiler, fake_clock):
     """Note [Kernels while paused] (csrc/hot_path.cpp): once the step judge pauses a training
     loop (its paused steps are stated faster), the loop's kernels still run, from C++, with
