@@ -192,7 +192,7 @@ class Pausing:
         self.flush()
         self.pause_requested, self.quiet_segments, self.quiet_count = False, 0, 0
         self.unpaid_s = 0.0
-        self._pause_begins()
+        self._forget_kernel_verdict()
         counters.add("pauses")
         if (self.table.compiles_in_flight or self.table.compiles_due) and \
                 self.has_way_back():
@@ -208,9 +208,9 @@ class Pausing:
         windows (until it says, math.inf), or the pause it decided. Either ends if a kernel
         lands meanwhile (awaited_kernel_landed), as any pause."""
         self.awaited_answers = self.table.compiles_answered
-        self._pause_begins()
         if window:
-            return math.inf
+            self._forget_kernel_verdict()
+            return math.inf               # (the verdict's pause goes on from the last window)
         self.unpaid_s = 0.0
         counters.add("pauses")
         return self.judge.paused_for()
@@ -246,13 +246,13 @@ class Pausing:
         (_weight) for PAUSE_WINDOW segments. Without that, a training loop resumed at its
         optimizer step paused again within that step, before its forward, whose kernel had
         landed, ever ran fused."""
-        self._pause_begins()
+        self._forget_kernel_verdict()
         self._points_at_resume = control.points_passed()
         if kernel_landed:
             self._segments_since_kernel = 0
 
-    def _pause_begins(self) -> None:
-        """(or ends): no kernel ledger, no verdict on this pause's kernels yet."""
+    def _forget_kernel_verdict(self) -> None:
+        """A pause begins or ends: no ledger of its kernels, no verdict on them yet."""
         self.kernel_ledger, self.kernels_unpaid = None, False
 
     def awaited_kernel_landed(self) -> bool:
