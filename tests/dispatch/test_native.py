@@ -5,6 +5,7 @@ default cache directory); parity of ops on this backend runs in tests/runtime (t
 fixture). Fallbacks to the Python mode run in subprocesses: a process can register the
 fallback only once.
 """
+import contextlib
 import os
 import subprocess
 import sys
@@ -511,25 +512,33 @@ def _train_paused_by_the_step_judge(train, model, steps, on_step, fused_while_pa
     return losses
 
 
+@contextlib.contextmanager
+def _paused_with_a_kernel(x):
+    """``ae.enabled()`` on the C++ backend, with the kernel of ``((x * 2 + 1).sin() * 3).cos()``
+    and paused as pausing would pause it (kernels kept)."""
+    from adaptive_eager import thread_state
+    ext = native.loaded()
+    with config.patch(BACKEND="cpp"), ae.enabled():
+        for _ in range(4):
+            ((x * 2 + 1).sin() * 3).cos()
+        ae.sync()
+        assert ae.stats().fused_executions >= 1 and ext.has_kernels()
+        enabled = thread_state.top()
+        thread_state._pause(enabled, enabled.runtime.paused_for())
+        assert ext.is_paused() and ext.is_included()              # kernels kept: the key in
+        yield
+
+
 def test_a_pause_drops_kernels_whose_paths_only_part(compiler):
     """Note [Kernels that do not pay while paused] (runtime/paused_kernels.py): a paused loop
     whose ops start a kernel's path and part from it (its first calls are the kernel's) only
     pays for keeping the kernel: the key in, each run deferred and replayed. After a ledger's
     worth of ops the pause goes on without the kernel, the key out, as plain eager."""
-    from adaptive_eager import thread_state
     from adaptive_eager.runtime import paused_kernels
     ext = native.loaded()
     x = torch.randn(64)
-    fused = lambda t: ((t * 2 + 1).sin() * 3).cos()        # noqa: E731
     parting = lambda t: ((t * 2 + 1).tanh() * 3).exp()     # noqa: E731  (parts at tanh)
-    with config.patch(BACKEND="cpp"), ae.enabled():
-        for _ in range(4):
-            fused(x)
-        ae.sync()
-        assert ae.stats().fused_executions >= 1 and ext.has_kernels()
-        enabled = thread_state.top()
-        thread_state._pause(enabled, enabled.runtime.paused_for())   # as pausing would
-        assert ext.is_paused() and ext.is_included()              # kernels kept: the key in
+    with _paused_with_a_kernel(x):
         divergences = ae.stats().divergences
         runs = paused_kernels.LEDGER_OPS // 5 + 50                # 5 ops a run
         got = [parting(x) for _ in range(runs)]
@@ -548,18 +557,11 @@ def test_kernels_dropped_in_the_middle_of_a_deferred_run_end_it_first(compiler,
                                                                         monkeypatch):
     """The verdict comes at an op (every RESUME_EVERY paused ops): a run deferred along the
     kernel's path up to it ends before the op runs plainly, which reads its results."""
-    from adaptive_eager import thread_state
     from adaptive_eager.dispatch import interceptor as interceptors
     from adaptive_eager.runtime import paused_kernels
     ext = native.loaded()
     x = torch.randn(64)
-    fused = lambda t: ((t * 2 + 1).sin() * 3).cos()        # noqa: E731
-    with config.patch(BACKEND="cpp"), ae.enabled():
-        for _ in range(4):
-            fused(x)
-        ae.sync()
-        enabled = thread_state.top()
-        thread_state._pause(enabled, enabled.runtime.paused_for())
+    with _paused_with_a_kernel(x):
         monkeypatch.setattr(paused_kernels, "LEDGER_OPS", 1)
         monkeypatch.setattr(paused_kernels, "PASS_THROUGH_S_PER_OP", 1.0)   # never pays
         y = x * 2
