@@ -13,8 +13,9 @@ import tempfile
 import time
 
 from adaptive_eager.benchmarks import report
-from adaptive_eager.benchmarks.coverage import (CACHES, FAIL, FORCED, NEW_TOKENS, TIMED_REPS,
-                                                TRAIN_STEPS, WARMUP_S, Check, Coverage)
+from adaptive_eager.benchmarks.coverage import (CACHES, FAIL, FORCED, NEW_TOKENS, SETTLE_S,
+                                                TIMED_REPS, TRAIN_STEPS, WARMUP_S, Check,
+                                                Coverage)
 from adaptive_eager.benchmarks.runner import PlanError, child_env
 
 CHILD_TIMEOUT_S = 1800
@@ -176,7 +177,12 @@ def _fallbacks(result: Coverage, top: int = 3) -> str:
 
 def _ratio(result: Coverage, name: str) -> str:
     entry = result.timing.get(name)
-    return f"{entry['ratio']:.2f} ({entry['fused_fraction']:.0%})" if entry else "-"
+    if not entry:
+        return "-"
+    cell = f"{entry['ratio']:.2f} ({entry['fused_fraction']:.0%})"
+    if "settling_s" in entry:
+        cell += f", settling {entry['settling_s'] / entry['eager_s']:.2f}"
+    return cell
 
 
 def _tokens_per_s(result: Coverage, cache: str) -> str:
@@ -266,8 +272,12 @@ def markdown(results: list[Coverage], command: str, decode: dict | None = None,
         f"- **Ratios** (runtime time / eager time, below 1 is faster): default settings and "
         f"an empty kernel cache, as in a user's first run (in brackets: the share of ops fused "
         f"in the timed and warm-up calls); after {WARMUP_S:.0f} s of runtime calls, "
-        f"a wait for background compiles and 3 more calls, {TIMED_REPS} runtime calls "
-        f"alternate with {TIMED_REPS} eager calls (`ae.paused()`) in one process; medians. "
+        f"a wait for background compiles and {SETTLE_S:.0f} s more of runtime calls, "
+        f"{TIMED_REPS} runtime calls alternate with {TIMED_REPS} eager calls (`ae.paused()`) "
+        f"in one process; medians. *settling*: the mean runtime call of those {SETTLE_S:.0f} s "
+        f"right after the compiles landed, over eager's median: what taking new kernels in "
+        f"costs (the runtime watches the steps again, records the segments they now cut in "
+        f"Python, and tries each kernel beside per-op runs). "
         f"A train step is forward, backward and AdamW; a generate call is {NEW_TOKENS} tokens."
         f"{_noise(results)}",
         "", *table, ""]

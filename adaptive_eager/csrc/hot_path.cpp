@@ -143,15 +143,26 @@ using Pending = c10::SmallVector<at::Tensor, 4>;   // (no allocation per op)
 
 // Note [Lifted scalars] (runtime/scalars.py): each float becomes the next new input, a 0-dim
 // float64 tensor, numbered as Python numbers them (after the call's tensors: Python lifts
-// once the call is encoded). A float recorded elsewhere does not match.
+// once the call is encoded). A float recorded elsewhere does not match; one lifted for a
+// Tensor argument comes as a wrapped number (Python keys a 0-dim tensor apart).
+std::optional<double> lifted_float(const ArgSpec& spec, const IValue& item) {
+  if (!spec.lifted_wrapped) return item.isDouble() ? std::optional(item.toDouble()) : std::nullopt;
+  if (!item.isTensor()) return std::nullopt;
+  const at::Tensor& t = item.toTensor();
+  if (!t.defined() || !t.unsafeGetTensorImpl()->is_wrapped_number() || !t.is_cpu() ||
+      t.scalar_type() != c10::kDouble)
+    return std::nullopt;
+  return *t.const_data_ptr<double>();     // read in place: an item() op would come back here
+}
+
 bool lifted_matches(const Run& run, const ArgSpec& spec, const IValue& value,
                     Pending& pending) {
   auto take = [&](const IValue& item, int32_t input) {
-    if (!item.isDouble() ||
-        input != static_cast<int32_t>(run.inputs.size() + pending.size()))
+    std::optional<double> number = lifted_float(spec, item);
+    if (!number || input != static_cast<int32_t>(run.inputs.size() + pending.size()))
       return false;
     // made without an op: one would come back to this thread's interception
-    pending.push_back(at::detail::scalar_tensor_static(item.toDouble(), at::kDouble, at::kCPU));
+    pending.push_back(at::detail::scalar_tensor_static(*number, at::kDouble, at::kCPU));
     return true;
   };
   if (!spec.lifted_list) return take(value, spec.lifted[0]);

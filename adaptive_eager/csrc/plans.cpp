@@ -90,7 +90,9 @@ bool same_arg(const ArgSpec& a, const ArgSpec& b) {
   if (a.type != b.type) return false;
   if (a.type == ArgSpec::Value || a.type == ArgSpec::WrappedNumber)
     return same_value(a.value, b.value);
-  if (a.type == ArgSpec::Lifted) return a.lifted == b.lifted && a.lifted_list == b.lifted_list;
+  if (a.type == ArgSpec::Lifted)
+    return a.lifted == b.lifted && a.lifted_list == b.lifted_list &&
+           a.lifted_wrapped == b.lifted_wrapped;
   return a.tensors == b.tensors;
 }
 
@@ -226,10 +228,11 @@ ArgSpec arg_spec_from(const c10::Argument& argument, const py::tuple& t) {
     else if (kind == "i") spec.value = IValue(t[1].cast<int64_t>());
     else if (kind == "f") spec.value = IValue(t[1].cast<double>());
     else spec.value = IValue(c10::complex<double>(t[1].cast<std::complex<double>>()));
-  } else if (type == "s") {         // ("s", [input per float], is a list)
+  } else if (type == "s") {         // ("s", [input per float], is a list, for a Tensor)
     spec.type = ArgSpec::Lifted;
     spec.lifted = t[1].cast<std::vector<int32_t>>();
     spec.lifted_list = t[2].cast<bool>();
+    spec.lifted_wrapped = t[3].cast<bool>();
   } else if (type == "t") {
     spec.type = ArgSpec::Tensor;
     spec.tensors.emplace_back(tensor_spec_from(t[1].cast<py::tuple>()));

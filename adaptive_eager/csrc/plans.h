@@ -63,6 +63,7 @@ struct ArgSpec {
   std::vector<std::optional<TensorSpec>> tensors;  // Tensor: one; TensorList: each (None)
   std::vector<int32_t> lifted;                     // Lifted: the input of each float
   bool lifted_list = false;                        // Lifted: a list of floats
+  bool lifted_wrapped = false;   // Lifted: a float passed for a Tensor (a wrapped number)
 };
 
 struct OpSpec {

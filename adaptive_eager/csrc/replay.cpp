@@ -29,8 +29,10 @@ at::Tensor wrapped_number(const c10::IValue& value) {
 
 // Note [Lifted scalars] (runtime/scalars.py): the floats are the run's inputs.
 // Read in place (0-dim float64 CPU tensors): an item() op would come back to interception.
+// One passed for a Tensor argument is passed on as eager passed it, a wrapped number.
 c10::IValue lifted_value(const ArgSpec& spec, const std::vector<at::Tensor>& inputs) {
   auto value = [&](int32_t input) { return *inputs.at(input).const_data_ptr<double>(); };
+  if (spec.lifted_wrapped) return wrapped_number(value(spec.lifted[0]));
   if (!spec.lifted_list) return value(spec.lifted[0]);
   c10::List<double> list;
   for (int32_t input : spec.lifted) list.push_back(value(input));

@@ -71,8 +71,9 @@ class KeyEntry:
     first_seen: float = dataclasses.field(default_factory=lambda: clock.monotonic())
     last_seen: float = 0.0             # clock.monotonic() at its latest sighting
     first_point: int = dataclasses.field(default_factory=lambda: control.points_passed())
-    last_point: int = 0                # control.points_passed() then: did it recur across
-                                       # steps (Note [When to compile])?
+    last_point: int = 0                # control.points_passed() then, or at its kernel's
+                                       # latest run: did it recur across steps (Note [When
+                                       # to compile])? is its kernel's trial on?
     credited_at: float = 0.0           # its banked savings run up to here
     # Its runs seen after an earlier one with no pause begun in between, and the seconds
     # since that earlier one: its rate while watched (scheduling.runs_per_second), summed over

@@ -15,6 +15,7 @@ import torch.fx as fx
 from adaptive_eager.dispatch.ops import OpKind
 from adaptive_eager.dispatch.signature import LiftedScalar, Ref, TensorArg, decode
 from adaptive_eager.runtime import clock
+from adaptive_eager.runtime.scalars import tensor_positions
 from adaptive_eager.runtime.segment import SINGLE, VOID, OpRecord, Segment, flatten_outputs
 
 aten = torch.ops.aten
@@ -32,8 +33,11 @@ def build_graph(segment: Segment, live_refs: tuple[Ref, ...]) -> fx.GraphModule:
             return graph.call_function(aten._local_scalar_dense.default, (inputs[arg.ref[1]],))
         return inputs[arg.ref[1]] if arg.ref[0] == "in" else values[arg.ref]
 
+    def number_tensor_of(arg: LiftedScalar) -> fx.Node:
+        return inputs[arg.ref[1]]
+
     for index, op in enumerate(segment.ops):
-        args, kwargs = _decode_call(op, node_of)
+        args, kwargs = _decode_call(op, node_of, number_tensor_of)
         single = _cat_of_one(op, args, kwargs)
         if single is not None:
             values[("out", index, 0)] = graph.call_function(*single)
@@ -184,7 +188,15 @@ def run_eagerly(ops: Iterable[OpRecord], inputs: list,
     return seconds
 
 
-def _decode_call(op: OpRecord, tensor_of) -> tuple[list, dict]:
-    args = [decode(arg, tensor_of) for arg in op.args]
-    kwargs = {name: decode(value, tensor_of) for name, value in op.kwargs}
+def _decode_call(op: OpRecord, tensor_of, number_tensor_of=None) -> tuple[list, dict]:
+    """``op``'s arguments, each TensorArg and LiftedScalar by ``tensor_of``; a LiftedScalar
+    passed for a Tensor argument (a wrapped number: Note [Lifted scalars]) by
+    ``number_tensor_of`` where given."""
+    def value(position, arg):
+        if number_tensor_of is not None and type(arg) is LiftedScalar and \
+                position in tensor_positions(op.func):
+            return number_tensor_of(arg)
+        return decode(arg, tensor_of)
+    args = [value(index, arg) for index, arg in enumerate(op.args)]
+    kwargs = {name: value(name, arg) for name, arg in op.kwargs}
     return args, kwargs

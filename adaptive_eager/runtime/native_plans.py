@@ -481,9 +481,9 @@ def _arg_spec(encoded, argument) -> tuple:
     if type(encoded) is ScalarArg and str(argument.type) in _TENSOR_TYPES:
         return ("w", encoded.value, _NUMBER_KINDS[encoded.kind])   # x * 2.0: a wrapped number
     if type(encoded) is LiftedScalar:                  # Note [Lifted scalars]
-        return ("s", [encoded.ref[1]], False)
+        return ("s", [encoded.ref[1]], False, str(argument.type) in _TENSOR_TYPES)
     if type(encoded) is tuple and encoded and all(type(i) is LiftedScalar for i in encoded):
-        return ("s", [item.ref[1] for item in encoded], True)
+        return ("s", [item.ref[1] for item in encoded], True, False)
     if type(encoded) is tuple and any(type(item) is TensorArg for item in encoded):
         if not all(item is None or type(item) is TensorArg for item in encoded):
             raise Unsupported("a list of tensors and other values")

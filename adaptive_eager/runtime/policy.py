@@ -25,6 +25,7 @@ import threading
 
 from adaptive_eager.cache.disk import DiskCache
 from adaptive_eager.config import config
+from adaptive_eager.dispatch import control
 from adaptive_eager.runtime.compiles import Compiles
 from adaptive_eager.runtime.decisions import decide
 from adaptive_eager.runtime.entries import KeyEntry, KeyState
@@ -39,6 +40,8 @@ from adaptive_eager.runtime.stats import counters
 from adaptive_eager.runtime import native_plans
 from adaptive_eager.runtime.trie import KernelTrie, Variant
 
+TRIAL_IDLE_POINTS = 8      # control points (2-4 a training step) without a kernel's key: no
+                           # longer on trial (KeyTable.kernels_on_trial)
 
 class KeyTable:
     """The process-wide key table: one lock over the parts below, shared by every runtime."""
@@ -162,6 +165,7 @@ class KeyTable:
 
     def touch(self, variant: Variant, seconds: float | None, runs: int = 1) -> None:
         """``runs`` fused runs of ``variant``, the last took ``seconds`` (ProfitTrial.fused_run)."""
+        variant.entry.last_point = control.points_passed()   # (kernels_on_trial)
         self.profit.fused_run(variant, seconds, runs)
 
     def wants_eager_run(self, variant: Variant) -> bool:
@@ -169,6 +173,7 @@ class KeyTable:
 
     def touch_eager(self, variant: Variant, seconds: float) -> None:
         """A per-op run of ``variant``'s segment on trial (ProfitTrial.eager_run)."""
+        variant.entry.last_point = control.points_passed()
         self.profit.eager_run(variant, seconds)
 
     def mark_failed(self, entry: KeyEntry, reason: str) -> None:
@@ -219,12 +224,18 @@ class KeyTable:
 
     @property
     def kernels_on_trial(self) -> bool:
-        """Does a loaded kernel still wait for its verdict (Note [Side by side])? Its runs
-        alternate with per-op ones and its first pays one-time costs."""
+        """Does a loaded kernel still wait for its verdict (Note [Side by side]) while its key
+        comes? Its runs alternate with per-op ones and its first pays one-time costs. One
+        whose key has not come for TRIAL_IDLE_POINTS control points is on no trial: a pause
+        that ended elsewhere in a step shifts where segments are cut, and the keys of a
+        kernel compiled before may not come again. Counted, one such kernel held off the
+        step judge for good (Gemma's training step intercepted at ~1.4x eager's time)."""
         if config.KEEP_UNPROFITABLE:                   # no trials
             return False
+        recent = control.points_passed() - TRIAL_IDLE_POINTS
         with self._lock:
-            return any(not variant.entry.judged for variant in self.kernels.values())
+            return any(not variant.entry.judged and variant.entry.last_point >= recent
+                       for variant in self.kernels.values())
 
     @property
     def worker(self):

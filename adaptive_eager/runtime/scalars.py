@@ -12,20 +12,29 @@ kernel reads it at run time (``aten._local_scalar_dense`` in its graph). One key
 every step. A float that never changes stays a constant of the key and of the kernel, where
 Inductor can fold it.
 
-Only arguments of type Scalar/float (and their lists) lift: a number passed for a Tensor
-argument (``x * 0.5``) type-promotes as a wrapped number, which a 0-dim float64 tensor does
-not. Integers never lift (they may feed shapes). Positions are learned per process and kept;
+Arguments of type Scalar/float (and their lists) lift. A number passed for a Tensor argument
+(``x / 0.9``) is a wrapped number, which type-promotes more weakly than a 0-dim float64 tensor;
+the CPU's default AdamW and Adam (one op per parameter, not foreach) divide by their bias
+correction that way, so each of their segments was a new key every step, recorded in Python
+for as long as the runtime watched. Such a float lifts too, as the tensor itself (the kernel
+reads the 0-dim float64 input where eager read the wrapped number), but only in the
+arithmetic ops of LIFTED_FOR_TENSORS and only in a call that also takes a floating CPU tensor
+of one or more dims: there the two promote alike (a 0-dim tensor never sets the dtype beside a
+dimensioned one of its category) and eager computes both the same way, as a CPU scalar. (Other
+devices default to the foreach optimizers, which pass Scalars.)
+Integers never lift (they may feed shapes). Positions are learned per process and kept;
 MAX_POSITIONS bounds them.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
 import cachetools
 import torch
 
-from adaptive_eager.dispatch.signature import LiftedScalar, ScalarArg
+from adaptive_eager.dispatch.signature import LiftedScalar, ScalarArg, TensorArg
 from adaptive_eager.fork_safety import reinit_in_child
 from adaptive_eager.runtime.stats import counters
 
@@ -40,6 +49,10 @@ _positions: dict[Any, frozenset] = {}
 _recent: cachetools.LRUCache = cachetools.LRUCache(maxsize=BLIND_KEYS_KEPT)
 _VALUE_TYPES = ("number", "float", "Optional[number]", "Optional[float]", "List[number]",
                 "List[float]")   # Scalar is "number" in str(argument.type)
+_aten = torch.ops.aten
+LIFTED_FOR_TENSORS = frozenset([
+    _aten.add.Tensor, _aten.add_.Tensor, _aten.sub.Tensor, _aten.sub_.Tensor,
+    _aten.mul.Tensor, _aten.mul_.Tensor, _aten.div.Tensor, _aten.div_.Tensor])
 
 
 def lifted_positions(func) -> frozenset | None:
@@ -87,11 +100,37 @@ def _differing(a: tuple, b: tuple):
     schema_types = {argument.name: str(argument.type) for argument in func._schema.arguments}
     names = list(schema_types)
     for index, (x, y) in enumerate(zip(a[1], b[1])):
-        if x != y and schema_types.get(names[index] if index < len(names) else "") in _VALUE_TYPES:
+        if x != y and _may_lift(func, schema_types.get(names[index] if index < len(names)
+                                                       else ""), x):
             yield func, index
     for (name, x), (_, y) in zip(a[2], b[2]):
-        if x != y and schema_types.get(name) in _VALUE_TYPES:
+        if x != y and _may_lift(func, schema_types.get(name), x):
             yield func, name
+
+
+def _may_lift(func, schema_type: str | None, encoded: Any) -> bool:
+    if schema_type in _VALUE_TYPES:
+        return True
+    return schema_type == "Tensor" and func in LIFTED_FOR_TENSORS and \
+        type(encoded) is ScalarArg and encoded.kind is float
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_positions(func) -> frozenset:
+    """The positions (index and name) of ``func``'s Tensor arguments: a LiftedScalar there
+    stands for a wrapped number, and a kernel reads it as the 0-dim tensor itself."""
+    arguments = func._schema.arguments
+    return frozenset([p for i, argument in enumerate(arguments)
+                      if str(argument.type) == "Tensor" for p in (i, argument.name)])
+
+
+def promotes_like_a_number(args: tuple, kwargs: tuple) -> bool:
+    """Does this call (encoded) take a floating CPU tensor of one or more dims, beside which a
+    0-dim float64 tensor promotes as a wrapped number does? (On other devices the kernel
+    would read a CPU tensor beside them: not tried, so not done.)"""
+    values = list(args) + [value for _, value in kwargs]
+    return any(type(v) is TensorArg and len(v.shape) and v.dtype.is_floating_point and
+               v.device.type == "cpu" for v in values)
 
 
 def _add(found: set) -> None:

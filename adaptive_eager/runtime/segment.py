@@ -38,7 +38,8 @@ from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkey
                                                is_cpu_scalar, is_plain_tensor, tensor_arg,
                                                tensor_args, without_input_identity)
 from adaptive_eager.runtime import clock
-from adaptive_eager.runtime.scalars import lift, lifted_positions
+from adaptive_eager.runtime.scalars import (lift, lifted_positions, promotes_like_a_number,
+                                            tensor_positions)
 
 SINGLE, TUPLE, LIST, VOID = "single", "tuple", "list", "void"
 _new_tuple = tuple.__new__      # skips OpRecord's Python-level __new__: once per recorded op
@@ -228,7 +229,7 @@ class SegmentBuilder:
             encoded = encode_call(args, kwargs, self._tensor_arg)
             positions = None if func is None else lifted_positions(func)
             if positions is not None:
-                encoded = self._lift(positions, *encoded)
+                encoded = self._lift(func, positions, *encoded)
             device = kwargs.get("device")
             if device is not None and torch.device(device) != self.device:
                 self._enter_device(torch.device(device))
@@ -237,7 +238,11 @@ class SegmentBuilder:
             self.drop_inputs_from(registered)
             raise
 
-    def _lift(self, positions: frozenset, args: tuple, kwargs: tuple) -> tuple[tuple, tuple]:
+    def _lift(self, func, positions: frozenset, args: tuple,
+              kwargs: tuple) -> tuple[tuple, tuple]:
+        if not positions.isdisjoint(tensor_positions(func)) and \
+                not promotes_like_a_number(args, kwargs):   # Note [Lifted scalars]
+            positions = positions - tensor_positions(func)
         new_input = self._new_input
         args = tuple([lift(arg, new_input) if index in positions else arg
                       for index, arg in enumerate(args)])

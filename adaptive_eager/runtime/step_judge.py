@@ -8,7 +8,8 @@ and replays allocated beside eager's, tensors held to a segment's end, so that f
 not reused and pages fault in again (Note [Allocator thresholds]). On GPT-2's training step a
 kernel saving ~1 ms a step kept the runtime intercepting while its steps ran 7-20% slower
 than paused ones. So once nothing compiles or is due to and no kernel is on trial (its first
-runs pay one-time costs, and its trial runs per-op beside it), the runtime times the program
+runs pay one-time costs, and its trial runs per-op beside it; a kernel whose key stopped
+coming is on none: KeyTable.kernels_on_trial), the runtime times the program
 between its control points (an optimizer step, ``backward()``, ``ae.sync()``) in windows of WINDOW
 points: intercepting, paused, intercepting, paused. If the paused windows took less than the
 intercepting ones by more than MARGIN, the runtime pauses, for PAUSE_FIRST_S, doubling to

@@ -70,14 +70,15 @@ def _result(name, *statuses, timing=None):
 def test_the_table_counts_failures_and_says_why():
     from adaptive_eager.benchmarks import coverage_table
     timing = {"train step": {"eager_s": 0.02, "runtime_s": 0.01, "ratio": 0.5,
-                             "fused_fraction": 0.25, "eager_spread": 0.1}}
+                             "fused_fraction": 0.25, "eager_spread": 0.1,
+                             "settling_s": 0.03, "settling_calls": 40}}
     results = [_result("A", "pass", "pass", "pass", timing=timing),
                _result("B", "pass", "fail", "pass")]
     assert not results[1].passed and results[0].fused_fraction == 0.25
     page = coverage_table.markdown(results, "adaptive-eager bench --coverage")
     assert "1 of 2 architectures (50%)" in page
     assert "| B | decoder | pass | **FAIL** | pass | 25% | megamorphic 7, random 3 |" in page
-    assert "0.50 (25%)" in page
+    assert "0.50 (25%), settling 1.50" in page     # taking the kernels in: shown, not hidden
     assert "- B, generate dynamic: fail: why generate dynamic" in page
     assert coverage.Coverage.from_dict(results[1].as_dict()) == results[1]
 

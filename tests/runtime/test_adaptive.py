@@ -8,7 +8,8 @@ import torch
 import adaptive_eager as ae
 from adaptive_eager.cache.store import Store
 from adaptive_eager.config import config
-from adaptive_eager.runtime import engine, entries, keys, profit
+from adaptive_eager.dispatch import control
+from adaptive_eager.runtime import engine, entries, keys, policy, profit
 from adaptive_eager.runtime.compiler import use_compiler
 from adaptive_eager.runtime.entries import KeyState
 from helpers import TimedKernels, assert_equal, by_size, chain
@@ -343,8 +344,9 @@ def test_a_megamorphic_key_seen_again_is_recorded_as_megamorphic(compiler):
     assert "shape variants" in record.reason
 
 
-def scaled(x, scale: float):
-    # A float scalar in the key: a new value is a new key (as AdamW's bias corrections are).
+def scaled(x, scale: int):
+    # An integer in the key: a new value is a new key (integers never lift, where a float
+    # that changes would: Note [Lifted scalars]).
     return logged(((x * scale + 1).sin() * 3).cos())
 
 
@@ -353,12 +355,12 @@ def test_keys_seen_once_shrink_yet_turn_hot_when_they_come_back(compiler):
     x = torch.randn(8)
     others = keys.SEEN_ONCE_KEPT + 40
     with ae.enabled():
-        scaled(x, 0.5)
+        scaled(x, 2)
         for step in range(others):
-            scaled(x, 1.0 + step)
+            scaled(x, 3 + step)
         assert len(engine.shared_table().entries()) <= keys.SEEN_ONCE_KEPT + 1
         assert compiler.count == 0
-        again = [scaled(x, 0.5) for _ in range(3)]
+        again = [scaled(x, 2) for _ in range(3)]
         [hot] = [entry for entry in engine.shared_table().entries() if entry.seen > 1]
         # its second per-op run made it hot: the sighting counted as its first; its structure
         # (dropped with it, a shape seen once) still counts one shape
@@ -367,7 +369,7 @@ def test_keys_seen_once_shrink_yet_turn_hot_when_they_come_back(compiler):
     assert stats.keys_seen == others + 1             # the key that came back is not new
     assert compiler.count == 1 and stats.fused_executions == 2
     for out in again:
-        assert_equal(out, scaled(x, 0.5))
+        assert_equal(out, scaled(x, 2))
 
 
 def test_a_shape_shrunk_to_a_sighting_is_still_the_variant_it_was(compiler):
@@ -402,10 +404,10 @@ def test_ever_new_keys_keep_a_bounded_number_of_objects_alive(compiler):
     x = torch.randn(8)
     with ae.enabled():
         for step in range(200):
-            scaled(x, 1.0 + step)
+            scaled(x, 3 + step)
         after_200 = _tracked_objects()
         for step in range(200, 1200):
-            scaled(x, 1.0 + step)
+            scaled(x, 3 + step)
         after_1200 = _tracked_objects()
     assert ae.stats().keys_seen == 1200
     assert after_1200 - after_200 < 500, (after_200, after_1200)
@@ -437,8 +439,25 @@ def test_a_structure_dropped_with_its_one_shape_keeps_counting_shapes(compiler):
     with config.patch(MAX_SHAPE_VARIANTS=2), ae.enabled():
         logged(trimmed_chain(torch.randn(4)))
         for step in range(keys.SEEN_ONCE_KEPT + 8):
-            scaled(x, 1.0 + step)
+            scaled(x, 3 + step)
         assert ae.stats().fallbacks.get("megamorphic", 0) == 0
         logged(trimmed_chain(torch.randn(5)))
         logged(trimmed_chain(torch.randn(6)))
     assert ae.stats().fallbacks["megamorphic"] == 1
+
+
+def test_a_kernel_whose_key_stopped_coming_is_on_no_trial():
+    """A kernel waiting for its verdict holds off the step judge (Note [Judged by the step])
+    only while its key comes: one that stopped coming (a pause shifted the program's cuts)
+    held it off for good."""
+    x = torch.randn(64)
+    with config.patch(KEEP_UNPROFITABLE=False), ae.enabled():
+        table, variant = _kernel_of_chain(x)
+        ae.sync()
+        assert not variant.entry.judged and table.kernels_on_trial
+        for _ in range(policy.TRIAL_IDLE_POINTS + 1):
+            control.permanent_point()                 # steps that no longer run chain
+        assert not table.kernels_on_trial
+        chain(x)
+        ae.sync()
+        assert not variant.entry.judged and table.kernels_on_trial   # it came back
