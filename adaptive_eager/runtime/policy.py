@@ -43,6 +43,7 @@ from adaptive_eager.runtime.trie import KernelTrie, Variant
 TRIAL_IDLE_POINTS = 8      # control points (2-4 a training step) without a kernel's key: no
                            # longer on trial (KeyTable.kernels_on_trial)
 
+
 class KeyTable:
     """The process-wide key table: one lock over the parts below, shared by every runtime."""
 
