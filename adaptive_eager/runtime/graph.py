@@ -192,9 +192,12 @@ def _decode_call(op: OpRecord, tensor_of, number_tensor_of=None) -> tuple[list, 
     """``op``'s arguments, each TensorArg and LiftedScalar by ``tensor_of``; a LiftedScalar
     passed for a Tensor argument (a wrapped number: Note [Lifted scalars]) by
     ``number_tensor_of`` where given."""
+    if number_tensor_of is None:            # per-op replays: no per-argument call
+        return ([decode(arg, tensor_of) for arg in op.args],
+                {name: decode(value, tensor_of) for name, value in op.kwargs})
+
     def value(position, arg):
-        if number_tensor_of is not None and type(arg) is LiftedScalar and \
-                position in tensor_positions(op.func):
+        if type(arg) is LiftedScalar and position in tensor_positions(op.func):
             return number_tensor_of(arg)
         return decode(arg, tensor_of)
     args = [value(index, arg) for index, arg in enumerate(op.args)]

@@ -240,9 +240,10 @@ class SegmentBuilder:
 
     def _lift(self, func, positions: frozenset, args: tuple,
               kwargs: tuple) -> tuple[tuple, tuple]:
-        if not positions.isdisjoint(tensor_positions(func)) and \
+        wrapped = tensor_positions(func)
+        if not positions.isdisjoint(wrapped) and \
                 not promotes_like_a_number(args, kwargs):   # Note [Lifted scalars]
-            positions = positions - tensor_positions(func)
+            positions = positions - wrapped
         new_input = self._new_input
         args = tuple([lift(arg, new_input) if index in positions else arg
                       for index, arg in enumerate(args)])
