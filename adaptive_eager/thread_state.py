@@ -305,17 +305,24 @@ def _judged_by_the_step(enabled) -> bool:
         return False
     table = runtime.table
     settled = not (table.compiles_in_flight or table.compiles_due or table.kernels_on_trial)
-    action = judge.at_point(now, settled, table.compiles_answered)
+    action = judge.at_point(now, settled, table.compiles_answered,
+                            kernels=enabled.interceptor.has_kernels())
     if action is Action.PAUSE_WINDOW:
         if not (intercepting and enabled.interceptor.between_ops()):
             judge.abandon(now)
             return False
         _pause(enabled, runtime.paused_by_judge(window=True))
-    elif action is Action.PAUSE:
+    elif action is Action.PLAIN_WINDOW:
+        _go_on_without_kernels(enabled)
+    elif action in (Action.PAUSE, Action.PAUSE_PLAIN):
+        if action is Action.PAUSE and not enabled.interceptor.kernels:
+            runtime.judge_keeps_kernels(True)   # the plain window came last: kernels back
+            _deactivate_paused(enabled)
         enabled.paused_until = now + runtime.paused_by_judge(window=False)
-        intercepting_s, paused_s = judge.last_times
         decide("paused", seconds=enabled.paused_until - now, judged="step",
-               intercepting_s=round(intercepting_s, 4), paused_s=round(paused_s, 4))
+               kernels=action is Action.PAUSE, **{f"{state.value}_s": round(seconds, 4)
+                                                  for state, seconds in
+                                                  judge.last_totals.items()})
     elif action is Action.RESUME and enabled.phase is Phase.PAUSED:
         _resume(enabled, kernel_landed=False)
     else:
@@ -348,8 +355,21 @@ def _drop_kernels_that_do_not_pay(enabled) -> None:
     interceptor, runtime = enabled.interceptor, enabled.runtime
     if interceptor.kernels and not runtime.kernels_pay_while_paused(
             interceptor.take_paused_ops()):
-        runtime.flush()               # a run deferred along a kernel's path: ended first
-        interceptor.drop_kernels(unseen=runtime.control_points_pass())
+        _drop_kernels(enabled)
+
+
+def _go_on_without_kernels(enabled) -> None:
+    """The step judge's plain window (Note [Judged by the step]): the pause goes on with the
+    key out, no kernel run; a pause that kept none goes on as it was."""
+    enabled.runtime.judge_keeps_kernels(False)
+    if enabled.interceptor.kernels:
+        _drop_kernels(enabled)
+
+
+def _drop_kernels(enabled) -> None:
+    interceptor, runtime = enabled.interceptor, enabled.runtime
+    runtime.flush()                   # a run deferred along a kernel's path: ended first
+    interceptor.drop_kernels(unseen=runtime.control_points_pass())
 
 
 def _resume(enabled, kernel_landed: bool) -> None:

@@ -56,6 +56,10 @@ class PythonInterceptor:
         if self.is_active():                        # off the stack, its ops pass unseen
             self.mode.__exit__(None, None, None)
 
+    def has_kernels(self) -> bool:
+        """Would a pause keep kernels running (never: a paused mode runs none)?"""
+        return False
+
     def is_active(self) -> bool:
         from torch.utils._python_dispatch import _get_current_dispatch_mode
         return _get_current_dispatch_mode() is self.mode
@@ -118,6 +122,10 @@ class CppInterceptor:
         """The runtime's pause goes on without its kernels, as a pause without any (Note
         [Kernels that do not pay while paused] in runtime/paused_kernels.py)."""
         self._pause(unseen, runtime_pause=True, kernels=False)
+
+    def has_kernels(self) -> bool:
+        """Would a pause keep kernels running (Note [Kernels while paused])?"""
+        return self.ext.has_kernels()
 
     def take_paused_ops(self) -> int:
         ops, self.paused_ops = self.paused_ops, 0

@@ -18,6 +18,9 @@ kernel that may pay is kept). Every LEDGER_OPS paused ops the ledger is read: if
 the kernels cost more than they saved, the pause goes on without them, the key out (plain
 eager; the waker ends a bare loop's pause). The next pause keeps them again and is judged
 again: LEDGER_OPS of ops cost at most ~14 ms in that decode loop, against pauses of 1-64 s.
+A ledger is an estimate; where the program passes control points the step judge times paused
+steps with and without the kernels (Note [Judged by the step]), and a pause it decides
+plainly keeps none.
 """
 from __future__ import annotations
 

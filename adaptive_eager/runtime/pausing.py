@@ -251,6 +251,12 @@ class Pausing:
         if kernel_landed:
             self._segments_since_kernel = 0
 
+    def judge_keeps_kernels(self, keep: bool) -> None:
+        """The step judge's plain window or verdict (Note [Judged by the step]): this pause
+        runs without its kernels, the key out, also after an ``ae.paused()`` block within it;
+        or (``keep``) with them again, weighed by a new ledger."""
+        self.kernel_ledger, self.kernels_unpaid = None, not keep
+
     def _forget_kernel_verdict(self) -> None:
         """A pause begins or ends: no ledger of its kernels, no verdict on them yet."""
         self.kernel_ledger, self.kernels_unpaid = None, False

@@ -11,14 +11,24 @@ than paused ones. So once nothing compiles or is due to and no kernel is on tria
 runs pay one-time costs, and its trial runs per-op beside it; a kernel whose key stopped
 coming is on none: KeyTable.kernels_on_trial), the runtime times the program
 between its control points (an optimizer step, ``backward()``, ``ae.sync()``) in windows of WINDOW
-points: intercepting, paused, intercepting, paused. If the paused windows took less than the
-intercepting ones by more than MARGIN, the runtime pauses, for PAUSE_FIRST_S, doubling to
+points, in rounds of the states it may run in: intercepting; paused keeping its kernels (Note
+[Kernels while paused] in csrc/hot_path.cpp), where C++ knows any; paused plainly, the key out
+of the dispatch set. The fastest state wins, by more than MARGIN over the one before it in that
+order (intercepting, kernels kept, plain): a state that is not clearly faster is not worth
+the switch. A paused state that wins makes the runtime pause, for PAUSE_FIRST_S, doubling to
 PAUSE_LONGEST_S while verdicts stay the same (a kernel landing meanwhile ends the pause, as any
 pause); else it probes again after KEEP_FIRST_S, doubling to KEEP_LONGEST_S. A compile that
 starts or ends during a probe abandons it (the windows would not compare like with like).
 Counting control points rather than seconds keeps the windows whole steps' worth of each
 phase however long a step is; a loop that passes no control point is never judged. The first
 probe waits FIRST_PROBE_S after enable(): a program's first steps record and compile.
+
+The plain window is measured, not inferred: keeping kernels while paused costs every op of the
+program a pass through the extension, each kernel a launch and its ops their deferral, and the
+kernels' own trials (Note [Side by side]) time a segment, not the step around it. A small
+MLP's training step (batch 8, width 32: every op of its forward and backward in two kernels)
+ran 13-20% slower paused with its kernels than plainly, while the ledger of Note [Kernels that
+do not pay while paused], crediting each run with its trial's saving (14x), kept them.
 """
 from __future__ import annotations
 
@@ -26,8 +36,8 @@ import dataclasses
 import enum
 
 WINDOW = 16               # control points a window lasts (a multiple of 1, 2 or 4 points a step)
-ROUNDS = 2                # intercepting and paused windows each, alternating
-MARGIN = 0.03             # paused must win by this share of the intercepting time
+ROUNDS = 2                # windows of each state, taken in turn
+MARGIN = 0.03             # a state must win by this share of the time of the one it replaces
 PAUSE_FIRST_S, PAUSE_LONGEST_S = 8.0, 128.0
 KEEP_FIRST_S, KEEP_LONGEST_S = 16.0, 256.0
 FIRST_PROBE_S = 4.0
@@ -35,9 +45,25 @@ FIRST_PROBE_S = 4.0
 
 class Action(enum.Enum):
     NONE = "none"
-    PAUSE_WINDOW = "pause_window"     # pause until the judge says RESUME
+    PAUSE_WINDOW = "pause_window"     # pause, kernels kept, until the judge says otherwise
+    PLAIN_WINDOW = "plain_window"     # go on paused without the kernels, the key out
     RESUME = "resume"                 # a paused window is over
-    PAUSE = "pause"                   # the verdict: pause for ``paused_for()``
+    PAUSE = "pause"                   # the verdict: pause for ``paused_for()``, kernels kept
+    PAUSE_PLAIN = "pause_plain"       # the verdict: pause so, without the kernels
+
+
+class State(enum.Enum):
+    """What a window times (Note [Judged by the step])."""
+    INTERCEPTING = "intercepting"
+    KERNELS = "kernels"               # paused, the kernels C++ knows still running
+    PLAIN = "plain"                   # paused, the key out of the dispatch set
+
+
+# The action that starts a window of each state, and the verdict that keeps one.
+_STARTS = {State.INTERCEPTING: Action.RESUME, State.KERNELS: Action.PAUSE_WINDOW,
+           State.PLAIN: Action.PLAIN_WINDOW}
+_VERDICTS = {State.INTERCEPTING: Action.RESUME, State.KERNELS: Action.PAUSE,
+             State.PLAIN: Action.PAUSE_PLAIN}
 
 
 @dataclasses.dataclass
@@ -49,11 +75,13 @@ class Judge:
     pause_s: float = PAUSE_FIRST_S    # the next verdict's pause
     keep_s: float = KEEP_FIRST_S      # the next wait after a verdict to keep intercepting
     times: list = dataclasses.field(default_factory=list)   # finished windows' seconds
+    states: tuple = (State.INTERCEPTING, State.KERNELS)     # a round's windows, in order
     window_start: float | None = None     # None: no probe running
     points: int = 0
     answers: int = 0                  # the table's compiles_answered when the probe began
     verdicts: int = 0                 # how many pauses it decided (for stats and tests)
-    last_times: tuple = (0.0, 0.0)    # (intercepting, paused) seconds of the last verdict
+    last_times: tuple = (0.0, 0.0)    # (intercepting, fastest paused) seconds of the last verdict
+    last_totals: dict = dataclasses.field(default_factory=dict)   # its seconds per state
 
     @classmethod
     def starting_at(cls, now: float) -> "Judge":
@@ -64,15 +92,23 @@ class Judge:
         return self.window_start is not None
 
     @property
-    def paused_window(self) -> bool:
-        return self.probing and len(self.times) % 2 == 1
+    def window(self) -> State | None:
+        """The state the running window times (None: no probe)."""
+        return self.states[len(self.times) % len(self.states)] if self.probing else None
 
-    def at_point(self, now: float, settled: bool, answers: int) -> Action:
+    @property
+    def paused_window(self) -> bool:
+        return self.window not in (None, State.INTERCEPTING)
+
+    def at_point(self, now: float, settled: bool, answers: int, kernels: bool = False) -> Action:
         """``settled``: nothing compiles or is due to, no kernel is on trial; ``answers``:
-        compiles answered so far."""
+        compiles answered so far; ``kernels``: would a pause keep kernels (a probe that
+        starts here then times a plain paused window too)."""
         if not self.probing:
             if settled and now >= self.probe_at:
                 self.window_start, self.points, self.times = now, 0, []
+                self.states = (State.INTERCEPTING, State.KERNELS) + \
+                    ((State.PLAIN,) if kernels else ())
                 self.answers = answers
             return Action.NONE
         if not settled or answers != self.answers:
@@ -82,8 +118,8 @@ class Judge:
             return Action.NONE
         self.times.append(now - self.window_start)
         self.window_start, self.points = now, 0
-        if len(self.times) < 2 * ROUNDS:
-            return Action.PAUSE_WINDOW if self.paused_window else Action.RESUME
+        if len(self.times) < len(self.states) * ROUNDS:
+            return _STARTS[self.window]
         return self._verdict(now)
 
     def abandon(self, now: float) -> Action:
@@ -94,14 +130,20 @@ class Judge:
         return Action.RESUME if was_paused else Action.NONE
 
     def _verdict(self, now: float) -> Action:
-        intercepting, paused = sum(self.times[0::2]), sum(self.times[1::2])
+        count = len(self.states)
+        totals = {state: sum(self.times[at::count]) for at, state in enumerate(self.states)}
         self.window_start, self.times = None, []
-        self.last_times = (intercepting, paused)
-        if paused < intercepting * (1.0 - MARGIN):
+        best = State.INTERCEPTING
+        for state in self.states[1:]:
+            if totals[state] < totals[best] * (1.0 - MARGIN):
+                best = state
+        paused = min(totals[state] for state in self.states[1:])
+        self.last_times, self.last_totals = (totals[State.INTERCEPTING], paused), totals
+        if best is not State.INTERCEPTING:
             self.verdicts += 1
             self.probe_at = now + self.pause_s      # probed again once the pause is over
             self.keep_s = KEEP_FIRST_S
-            return Action.PAUSE
+            return _VERDICTS[best]
         self.probe_at = now + self.keep_s
         self.keep_s = min(self.keep_s * 2, KEEP_LONGEST_S)
         self.pause_s = PAUSE_FIRST_S

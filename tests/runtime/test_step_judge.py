@@ -8,21 +8,25 @@ import adaptive_eager as ae
 from adaptive_eager.config import config
 from adaptive_eager.runtime import engine, step_judge
 from adaptive_eager.runtime.step_judge import (FIRST_PROBE_S, KEEP_FIRST_S, PAUSE_FIRST_S,
-                                               WINDOW, Action, Judge)
+                                               WINDOW, Action, Judge, State)
 from helpers import assert_equal
 
 
 def _probe(judge: Judge, start: float, intercepting_s: float, paused_s: float,
-           answers: int = 0) -> list:
+           answers: int = 0, plain_s: float | None = None) -> list:
     """Pass the control points of one probe (each window's points evenly spaced in time);
-    the actions the judge asked for, in order, with the point's index."""
+    the actions the judge asked for, in order, with the point's index. ``plain_s``: a pause
+    would keep kernels, and a plain paused window takes this long (``paused_s`` is then the
+    window that keeps them)."""
     now, actions = start, []
-    assert judge.at_point(now, settled=True, answers=answers) is Action.NONE   # starts it
-    for window in range(2 * step_judge.ROUNDS):
-        seconds = paused_s if window % 2 else intercepting_s
+    kernels = plain_s is not None
+    assert judge.at_point(now, True, answers, kernels=kernels) is Action.NONE   # starts it
+    seconds_of = (intercepting_s, paused_s) + ((plain_s,) if kernels else ())
+    for window in range(len(seconds_of) * step_judge.ROUNDS):
+        seconds = seconds_of[window % len(seconds_of)]
         for point in range(WINDOW):
             now += seconds / WINDOW
-            action = judge.at_point(now, settled=True, answers=answers)
+            action = judge.at_point(now, True, answers, kernels=kernels)
             if action is not Action.NONE:
                 actions.append((window * WINDOW + point, action))
     return actions
@@ -50,6 +54,48 @@ def test_no_pause_unless_paused_windows_win_by_the_margin(paused_s):
     assert not judge.probing                                    # the next probe waits
     judge.at_point(end + KEEP_FIRST_S + 0.01, True, 0)
     assert judge.probing
+
+
+def _window_starts(rounds_of: tuple, verdict: Action) -> list:
+    """The actions of a probe whose rounds are windows starting with ``rounds_of``, then
+    ``verdict`` at its last point."""
+    starts = [rounds_of[(window + 1) % len(rounds_of)]
+              for window in range(len(rounds_of) * step_judge.ROUNDS - 1)]
+    ends = [(window + 1) * WINDOW - 1 for window in range(len(starts) + 1)]
+    return list(zip(ends, starts + [verdict]))
+
+
+_ROUND_WITH_KERNELS = (Action.RESUME, Action.PAUSE_WINDOW, Action.PLAIN_WINDOW)
+
+
+@pytest.mark.parametrize("kernels_s, plain_s, verdict", [
+    (0.9, 0.89, Action.PAUSE),          # kernels kept: plain is not faster by the margin
+    (0.9, 0.8, Action.PAUSE_PLAIN),     # plain beats kernels kept
+    (0.99, 0.9, Action.PAUSE_PLAIN),    # plain beats intercepting, kernels kept do not
+    (1.2, 1.1, Action.RESUME),          # intercepting is fastest
+])
+def test_a_pause_that_would_keep_kernels_is_timed_without_them_too(kernels_s, plain_s, verdict):
+    """Paused windows that keep kernels and plain ones (the key out), in turn with the
+    intercepting ones; the fastest state wins, by the margin over the state before it."""
+    judge = Judge.starting_at(0.0)
+    actions = _probe(judge, FIRST_PROBE_S, intercepting_s=1.0, paused_s=kernels_s,
+                     plain_s=plain_s)
+    assert actions == _window_starts(_ROUND_WITH_KERNELS, verdict)
+    assert judge.verdicts == (verdict is not Action.RESUME)
+    assert judge.last_times == pytest.approx((2.0, 2 * min(kernels_s, plain_s)))
+    assert not judge.probing
+
+
+def test_a_probe_is_abandoned_from_its_plain_window_back_to_intercepting():
+    judge = Judge.starting_at(0.0)
+    now = FIRST_PROBE_S
+    judge.at_point(now, True, 0, kernels=True)
+    for _ in range(2 * WINDOW):                                 # into the plain window
+        now += 0.01
+        judge.at_point(now, True, 0, kernels=True)
+    assert judge.window is State.PLAIN and judge.paused_window
+    assert judge.at_point(now + 0.01, True, answers=1, kernels=True) is Action.RESUME
+    assert judge.window is None and judge.verdicts == 0
 
 
 def test_no_probe_before_the_first_delay_or_while_compiles_run():
