@@ -37,7 +37,8 @@ from adaptive_eager.dispatch import control, upcalls
 from adaptive_eager.dispatch import interceptor as interceptors
 from adaptive_eager.runtime import clock, engine
 from adaptive_eager.runtime.decisions import decide
-from adaptive_eager.runtime.step_judge import Action
+from adaptive_eager.runtime.step_judge import Action, State
+from adaptive_eager.runtime.stats import counters
 
 
 class Phase(enum.Enum):
@@ -318,6 +319,8 @@ def _judged_by_the_step(enabled) -> bool:
         if action is Action.PAUSE and not enabled.interceptor.kernels:
             runtime.judge_keeps_kernels(True)   # the plain window came last: kernels back
             _deactivate_paused(enabled)
+        elif action is Action.PAUSE_PLAIN and State.PLAIN in judge.last_totals:
+            counters.add("pauses_without_kernels")   # timed slower with them than without
         enabled.paused_until = now + runtime.paused_by_judge(window=False)
         decide("paused", seconds=enabled.paused_until - now, judged="step",
                kernels=action is Action.PAUSE, **{f"{state.value}_s": round(seconds, 4)

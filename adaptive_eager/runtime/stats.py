@@ -43,8 +43,8 @@ class Stats:
     cache_hits_disk: int = 0
     cache_load_seconds: float = 0.0
     pauses: int = 0
-    pauses_without_kernels: int = 0     # pauses that kept kernels until they did not pay
-                                        # (Note [Kernels that do not pay while paused])
+    pauses_without_kernels: int = 0     # pauses run without kernels that did not pay (Note
+                                        # [Kernels that do not pay while paused], the step judge)
     backend: str = ""               # "cpp" or "python": what intercepts (see api.backend)
     fallbacks: types.MappingProxyType = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({}))

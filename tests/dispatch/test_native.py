@@ -686,6 +686,7 @@ def test_a_training_loop_faster_plain_than_with_its_kernels_pauses_plainly(compi
         losses = train(got_model, 200, on_step)
         [runtime] = engine.live_runtimes()
         judge = runtime.judge
+        assert ae.stats().pauses_without_kernels >= 1
     assert judge.verdicts >= 1 and kept_steps, judge     # its kernels were timed paused too
     assert set(judge.last_totals) == {State.INTERCEPTING, State.KERNELS, State.PLAIN}
     assert len(plain_steps) > 20                         # the verdict's pause was plain
