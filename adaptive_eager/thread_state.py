@@ -316,10 +316,12 @@ def _judged_by_the_step(enabled) -> bool:
     elif action is Action.PLAIN_WINDOW:
         _go_on_without_kernels(enabled)
     elif action in (Action.PAUSE, Action.PAUSE_PLAIN):
-        if action is Action.PAUSE and not enabled.interceptor.kernels:
+        if action is Action.PAUSE and not enabled.interceptor.kernels and \
+                State.PLAIN in judge.last_totals:
             runtime.judge_keeps_kernels(True)   # the plain window came last: kernels back
             _deactivate_paused(enabled)
-        elif action is Action.PAUSE_PLAIN and State.PLAIN in judge.last_totals:
+        elif action is Action.PAUSE_PLAIN:
+            _go_on_without_kernels(enabled)          # (the plain window came last)
             counters.add("pauses_without_kernels")   # timed slower with them than without
         enabled.paused_until = now + runtime.paused_by_judge(window=False)
         decide("paused", seconds=enabled.paused_until - now, judged="step",

@@ -23,6 +23,11 @@ Counting control points rather than seconds keeps the windows whole steps' worth
 phase however long a step is; a loop that passes no control point is never judged. The first
 probe waits FIRST_PROBE_S after enable(): a program's first steps record and compile.
 
+A paused window that already took LOSING times the probe's fastest whole window ends there,
+and its state is out of the probe: timing a state that loses costs the program what it loses
+(a pointwise loop whose kernel runs 9x faster than its ops ran its plain windows at eager's
+speed, 32 steps of every probe), so it is timed only as long as it may still win.
+
 The plain window is measured, not inferred: keeping kernels while paused costs every op of the
 program a pass through the extension, each kernel a launch and its ops their deferral, and the
 kernels' own trials (Note [Side by side]) time a segment, not the step around it. A small
@@ -34,10 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 WINDOW = 16               # control points a window lasts (a multiple of 1, 2 or 4 points a step)
 ROUNDS = 2                # windows of each state, taken in turn
 MARGIN = 0.03             # a state must win by this share of the time of the one it replaces
+LOSING = 1.25             # a paused window this much slower than the fastest one is lost
 PAUSE_FIRST_S, PAUSE_LONGEST_S = 8.0, 128.0
 KEEP_FIRST_S, KEEP_LONGEST_S = 16.0, 256.0
 FIRST_PROBE_S = 4.0
@@ -74,8 +81,9 @@ class Judge:
     probe_at: float                   # when the next probe may start
     pause_s: float = PAUSE_FIRST_S    # the next verdict's pause
     keep_s: float = KEEP_FIRST_S      # the next wait after a verdict to keep intercepting
-    times: list = dataclasses.field(default_factory=list)   # finished windows' seconds
-    states: tuple = (State.INTERCEPTING, State.KERNELS)     # a round's windows, in order
+    schedule: list = dataclasses.field(default_factory=list)   # windows to time, running first
+    totals: dict = dataclasses.field(default_factory=dict)     # the probe's seconds per state
+    fastest_s: float = math.inf       # the probe's fastest whole window so far
     window_start: float | None = None     # None: no probe running
     points: int = 0
     answers: int = 0                  # the table's compiles_answered when the probe began
@@ -94,7 +102,7 @@ class Judge:
     @property
     def window(self) -> State | None:
         """The state the running window times (None: no probe)."""
-        return self.states[len(self.times) % len(self.states)] if self.probing else None
+        return self.schedule[0] if self.probing else None
 
     @property
     def paused_window(self) -> bool:
@@ -106,39 +114,53 @@ class Judge:
         starts here then times a plain paused window too)."""
         if not self.probing:
             if settled and now >= self.probe_at:
-                self.window_start, self.points, self.times = now, 0, []
-                self.states = (State.INTERCEPTING, State.KERNELS) + \
-                    ((State.PLAIN,) if kernels else ())
+                self._start(now, kernels)
                 self.answers = answers
             return Action.NONE
         if not settled or answers != self.answers:
             return self.abandon(now)
         self.points += 1
+        elapsed = now - self.window_start
         if self.points < WINDOW:
+            if self.paused_window and elapsed > LOSING * self.fastest_s:
+                return self._next_window(now, lost=True)
             return Action.NONE
-        self.times.append(now - self.window_start)
+        self.totals[self.window] += elapsed
+        self.fastest_s = min(self.fastest_s, elapsed)
+        return self._next_window(now, lost=False)
+
+    def _start(self, now: float, kernels: bool) -> None:
+        states = (State.INTERCEPTING, State.KERNELS) + ((State.PLAIN,) if kernels else ())
+        self.schedule, self.totals = list(states) * ROUNDS, dict.fromkeys(states, 0.0)
+        self.window_start, self.points, self.fastest_s = now, 0, math.inf
+
+    def _next_window(self, now: float, lost: bool) -> Action:
+        """The running window is over: whole, or ``lost`` (a paused state already slower than
+        the fastest window by LOSING: out of this probe, its windows not timed)."""
+        state = self.schedule.pop(0)
+        if lost:
+            self.totals[state] = math.inf
+            self.schedule = [later for later in self.schedule if later is not state]
         self.window_start, self.points = now, 0
-        if len(self.times) < len(self.states) * ROUNDS:
-            return _STARTS[self.window]
-        return self._verdict(now)
+        return _STARTS[self.schedule[0]] if self.schedule else self._verdict(now)
 
     def abandon(self, now: float) -> Action:
         """Stop the probe; RESUME if it was in a paused window."""
         was_paused = self.paused_window
-        self.window_start, self.times = None, []
+        self.window_start, self.schedule = None, []
         self.probe_at = now
         return Action.RESUME if was_paused else Action.NONE
 
     def _verdict(self, now: float) -> Action:
-        count = len(self.states)
-        totals = {state: sum(self.times[at::count]) for at, state in enumerate(self.states)}
-        self.window_start, self.times = None, []
+        totals = self.totals
+        self.window_start, self.schedule = None, []
         best = State.INTERCEPTING
-        for state in self.states[1:]:
+        for state in totals:                    # (in the order they were timed)
             if totals[state] < totals[best] * (1.0 - MARGIN):
                 best = state
-        paused = min(totals[state] for state in self.states[1:])
-        self.last_times, self.last_totals = (totals[State.INTERCEPTING], paused), totals
+        paused = min(seconds for state, seconds in totals.items()
+                     if state is not State.INTERCEPTING)
+        self.last_times, self.last_totals = (totals[State.INTERCEPTING], paused), dict(totals)
         if best is not State.INTERCEPTING:
             self.verdicts += 1
             self.probe_at = now + self.pause_s      # probed again once the pause is over

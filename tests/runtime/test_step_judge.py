@@ -86,6 +86,26 @@ def test_a_pause_that_would_keep_kernels_is_timed_without_them_too(kernels_s, pl
     assert not judge.probing
 
 
+def test_a_paused_window_that_loses_by_far_ends_early_and_is_not_timed_again():
+    """Kernels that run 10x faster than plain eager: the plain window ends once it took
+    LOSING times the fastest window, and no second plain window is timed."""
+    judge = Judge.starting_at(0.0)
+    now, step_s = FIRST_PROBE_S, {State.INTERCEPTING: 0.01, State.KERNELS: 0.01,
+                                  State.PLAIN: 0.1}
+    judge.at_point(now, True, 0, kernels=True)
+    plain_points, actions = 0, []
+    while judge.probing:
+        plain_points += judge.window is State.PLAIN
+        now += step_s[judge.window]
+        action = judge.at_point(now, True, 0, kernels=True)
+        if action is not Action.NONE:
+            actions.append(action)
+    assert 0 < plain_points <= 3          # LOSING x 16 fast points at 10x: not 2 windows of 16
+    assert actions == [Action.PAUSE_WINDOW, Action.PLAIN_WINDOW, Action.RESUME,
+                       Action.PAUSE_WINDOW, Action.RESUME]
+    assert judge.last_totals[State.PLAIN] == float("inf") and judge.verdicts == 0
+
+
 def test_a_probe_is_abandoned_from_its_plain_window_back_to_intercepting():
     judge = Judge.starting_at(0.0)
     now = FIRST_PROBE_S
