@@ -578,31 +578,39 @@ def test_kernels_dropped_in_the_middle_of_a_deferred_run_end_it_first(compiler,
     assert_equal(got, (x * 2 + 1).tanh())
 
 
+def _mlp_batch() -> tuple:
+    """The same batch at every call."""
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(1)), torch.zeros(16, 8)
+
+
+def _small_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+def _train_small_mlp(model, steps, on_step=lambda step: None) -> list:
+    """AdamW (foreach) steps on _mlp_batch(); ``on_step(step)`` runs between ``backward()``
+    and the optimizer step. Returns the losses."""
+    x, y = _mlp_batch()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    losses = []
+    for step in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        on_step(step)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def test_a_paused_training_loop_still_runs_its_kernels(compiler, fake_clock):
     """Note [Kernels while paused] (csrc/hot_path.cpp): once the step judge pauses a training
     loop (its paused steps are stated faster), the loop's kernels still run, from C++, with
     the key in the thread's dispatch set; ``ae.paused()`` inside the pause is plain eager, and
     the pause goes on after it. Results are eager's, bitwise (the stand-in compiler)."""
     ext = native.loaded()
-
-    def train(model, steps, on_step=None):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-        losses = []
-        for step in range(steps):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            if on_step is not None:
-                on_step(step)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-        return losses
-
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
-                                   torch.nn.Linear(64, 8))
-    x, y = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)), torch.zeros(16, 8)
+    train, model, (x, y) = _train_small_mlp, _small_mlp, _mlp_batch()
     expected_model = model()
     expected = train(expected_model, 200)
     fused_while_paused, plain_in_block = [], []
@@ -642,26 +650,9 @@ def test_a_training_loop_faster_plain_than_with_its_kernels_pauses_plainly(compi
     from adaptive_eager.runtime import engine, paused_kernels
     from adaptive_eager.runtime.step_judge import State
     ext = native.loaded()
-    x, y = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)), torch.zeros(16, 8)
-
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
-                                   torch.nn.Linear(64, 8))
-
-    def train(net, steps, on_step=lambda step: None):
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, foreach=True)
-        losses = []
-        for step in range(steps):
-            loss = torch.nn.functional.mse_loss(net(x), y)
-            loss.backward()
-            on_step(step)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-        return losses
+    (x, y), model = _mlp_batch(), _small_mlp
     expected_model = model()
-    expected = train(expected_model, 200)
+    expected = _train_small_mlp(expected_model, 200)
     plain_steps, kept_steps = [], []
 
     def on_step(step):
@@ -683,7 +674,7 @@ def test_a_training_loop_faster_plain_than_with_its_kernels_pauses_plainly(compi
     # Kernels that cost nothing to keep would be kept by their ledger: only the judge drops.
     free = mock.patch.multiple(paused_kernels, PASS_THROUGH_S_PER_OP=0.0, DIVERGENCE_S=0.0)
     with free, config.patch(BACKEND="cpp", PAUSE=True), ae.enabled():
-        losses = train(got_model, 200, on_step)
+        losses = _train_small_mlp(got_model, 200, on_step)
         [runtime] = engine.live_runtimes()
         judge = runtime.judge
         assert ae.stats().pauses_without_kernels >= 1
