@@ -306,8 +306,9 @@ def _judged_by_the_step(enabled) -> bool:
         return False
     table = runtime.table
     settled = not (table.compiles_in_flight or table.compiles_due or table.kernels_on_trial)
-    action = judge.at_point(now, settled, table.compiles_answered,
-                            kernels=enabled.interceptor.has_kernels())
+    # (whether a pause would keep kernels matters only where a probe may start)
+    kernels = not judge.probing and enabled.interceptor.has_kernels()
+    action = judge.at_point(now, settled, table.compiles_answered, kernels=kernels)
     if action is Action.PAUSE_WINDOW:
         if not (intercepting and enabled.interceptor.between_ops()):
             judge.abandon(now)
@@ -320,8 +321,7 @@ def _judged_by_the_step(enabled) -> bool:
                 State.PLAIN in judge.last_totals:
             runtime.judge_keeps_kernels(True)   # the plain window came last: kernels back
             _deactivate_paused(enabled)
-        elif action is Action.PAUSE_PLAIN:
-            _go_on_without_kernels(enabled)          # (the plain window came last)
+        elif action is Action.PAUSE_PLAIN:           # (a plain window came last: plain now)
             counters.add("pauses_without_kernels")   # timed slower with them than without
         enabled.paused_until = now + runtime.paused_by_judge(window=False)
         decide("paused", seconds=enabled.paused_until - now, judged="step",

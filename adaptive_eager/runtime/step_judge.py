@@ -88,8 +88,7 @@ class Judge:
     points: int = 0
     answers: int = 0                  # the table's compiles_answered when the probe began
     verdicts: int = 0                 # how many pauses it decided (for stats and tests)
-    last_times: tuple = (0.0, 0.0)    # (intercepting, fastest paused) seconds of the last verdict
-    last_totals: dict = dataclasses.field(default_factory=dict)   # its seconds per state
+    last_totals: dict = dataclasses.field(default_factory=dict)   # the last verdict's seconds
 
     @classmethod
     def starting_at(cls, now: float) -> "Judge":
@@ -98,6 +97,16 @@ class Judge:
     @property
     def probing(self) -> bool:
         return self.window_start is not None
+
+    @property
+    def last_times(self) -> tuple:
+        """(intercepting, fastest paused) seconds of the last verdict; zeros before one."""
+        totals = self.last_totals
+        if not totals:
+            return (0.0, 0.0)
+        return (totals[State.INTERCEPTING],
+                min(seconds for state, seconds in totals.items()
+                    if state is not State.INTERCEPTING))
 
     @property
     def window(self) -> State | None:
@@ -158,9 +167,7 @@ class Judge:
         for state in totals:                    # (in the order they were timed)
             if totals[state] < totals[best] * (1.0 - MARGIN):
                 best = state
-        paused = min(seconds for state, seconds in totals.items()
-                     if state is not State.INTERCEPTING)
-        self.last_times, self.last_totals = (totals[State.INTERCEPTING], paused), dict(totals)
+        self.last_totals = dict(totals)
         if best is not State.INTERCEPTING:
             self.verdicts += 1
             self.probe_at = now + self.pause_s      # probed again once the pause is over
