@@ -29,8 +29,9 @@ def _add_bench_parser(commands) -> None:
     from adaptive_eager.benchmarks.command import add_arguments
     add_arguments(commands.add_parser(
         "bench", help="eager vs adaptive vs torch.compile, each run in fresh processes",
-        description="Time workloads in eager, adaptive and torch.compile modes, each in a fresh "
-                    "process with empty caches, and check every output against eager."))
+        description="Time workloads in eager, eager+malloc, adaptive and torch.compile modes, "
+                    "each in a fresh process with empty caches, and check every output against "
+                    "eager."))
 
 
 def _add_cache_parser(commands) -> None:

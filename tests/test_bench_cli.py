@@ -11,6 +11,7 @@ import torch
 from adaptive_eager.benchmarks import report, results, runner, scenarios
 from adaptive_eager.benchmarks.results import MISMATCH, NEVER, OK, SKIPPED, Row
 from adaptive_eager.benchmarks.workloads import Workload
+from adaptive_eager.runtime import allocator
 from adaptive_eager.cli import main
 from helpers import MECHANICS_ENV
 
@@ -20,7 +21,7 @@ from helpers import MECHANICS_ENV
 @pytest.mark.parametrize("arguments, accepted", [
     (["--workload", "nope"], "chain8, ln_gelu_residual"),
     (["--size", "huge"], "tiny, medium, large"),
-    (["--modes", "eager,fast"], "eager, adaptive, compile"),
+    (["--modes", "eager,fast"], "eager, eager+malloc, adaptive, compile"),
     (["--iters", "0"], "at least 1"),
     (["--scenarios", "nope"], "tiny_chain, tiny_mlp"),
 ])
@@ -57,15 +58,18 @@ def test_tiny_run_in_fresh_processes_writes_every_field(tmp_path, monkeypatch, c
         monkeypatch.setenv(name, value)
     out = tmp_path / "bench.json"
     assert main(["bench", "--workload", "chain8", "--size", "tiny", "--iters", "2",
-                 "--modes", "eager,adaptive", "--json", str(out)]) == 0
+                 "--modes", "eager,eager+malloc,adaptive", "--json", str(out)]) == 0
     captured = capsys.readouterr()
-    assert "[1/2] chain8 tiny eager … " in captured.err
-    assert "[2/2] chain8 tiny adaptive … " in captured.err
+    assert "[1/3] chain8 tiny eager … " in captured.err
+    assert "[2/3] chain8 tiny eager+malloc … " in captured.err
+    assert "[3/3] chain8 tiny adaptive … " in captured.err
     payload = json.loads(out.read_text())
     assert set(payload["machine"]) >= {"cpu", "cores", "torch_threads", "torch", "python"}
     assert payload["failed"] is False and payload["iters"] == 2
-    eager, adaptive = payload["results"]
-    for row in (eager, adaptive):
+    eager, tuned, adaptive = payload["results"]
+    assert tuned["mode"] == "eager+malloc" and tuned["compiles"] == 0
+    assert tuned["ratio_to_eager"] > 0 and tuned["paired_ratio"] is None
+    for row in (eager, tuned, adaptive):
         assert set(row) == {f.name for f in dataclasses.fields(Row)}
         assert row["status"] == OK and row["median_ms"] > 0 and row["peak_mib"] > 0
         assert 0 < row["first_iter_s"] <= row["total_s"]
@@ -116,7 +120,19 @@ def test_a_wrong_output_is_reported_loudly_and_exits_1(tmp_path, monkeypatch, ca
     assert "OUTPUT MISMATCH" in captured.err
     assert "MISMATCH: chain8 tiny compile: output differs from eager" in captured.out
     statuses = [row["status"] for row in json.loads(out.read_text())["results"]]
-    assert statuses == [OK, OK, MISMATCH]
+    assert statuses == [OK, OK, OK, MISMATCH]
+
+
+def test_eager_with_malloc_thresholds_is_skipped_where_they_cannot_be_set(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runner, "run_child", _fake_children(tmp_path))
+    monkeypatch.setattr(allocator, "why_left_alone", lambda: "malloc is not glibc's")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--workload", "chain8", "--size", "tiny", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(row["mode"], row["status"]) for row in rows] == [
+        ("eager", OK), ("eager+malloc", SKIPPED), ("adaptive", OK), ("compile", OK)]
+    assert "not run: malloc is not glibc's" in capsys.readouterr().err
 
 
 def test_a_failed_eager_child_fails_the_rest_and_exits_1(tmp_path, monkeypatch, capsys):
@@ -130,10 +146,10 @@ def test_a_failed_eager_child_fails_the_rest_and_exits_1(tmp_path, monkeypatch, 
 def test_a_workload_whose_extra_is_missing_is_skipped_with_the_reason():
     workload = Workload("needs_x", "needs a module", lambda size, device: None, {"tiny": "-"},
                         requires="surely_not_an_installed_module")
-    progress = runner.Progress(3, io.StringIO())
     plan = runner.make_plan(["chain8"], ["tiny"], iters=1)
+    progress = runner.Progress(len(plan.modes), io.StringIO())
     rows = runner.run_case(workload, "tiny", plan, progress, "/nonexistent")
-    assert [row.status for row in rows] == [SKIPPED] * 3
+    assert [row.status for row in rows] == [SKIPPED] * len(plan.modes)
     assert "surely_not_an_installed_module is not installed" in rows[0].detail
     assert not results.any_failure(rows)
 

@@ -51,7 +51,8 @@ from typing import Any, Callable
 WARMUP_S = 3.0
 WARMUP_STEPS = 3
 MOST_WARMUP_STEPS = 500
-MODES = ("eager", "adaptive", "compile")
+MODES = ("eager", "eager+malloc", "adaptive", "compile")
+EAGER_MALLOC = "eager+malloc"     # eager with the thresholds MALLOC_TUNING=1 sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +105,17 @@ def _eager_mode(fn, device: str) -> _Mode:
     return _Mode(fn, _device_sync(device), contextlib.nullcontext, lambda: (0, 0.0))
 
 
+def _eager_malloc_mode(fn, device: str) -> _Mode:
+    """Plain eager with glibc's malloc thresholds where MALLOC_TUNING=1 sets them (Note
+    [Allocator thresholds]). The runtime's kernels write buffers it pools, so on large tensors
+    part of what it gains over eager is memory reuse: this row shows how much of that eager
+    gets from the allocator alone. The runner skips it where they cannot be set."""
+    from adaptive_eager.runtime.allocator import keep_freed_memory
+    if not keep_freed_memory():
+        raise RuntimeError("glibc's malloc thresholds could not be set in this process")
+    return _eager_mode(fn, device)
+
+
 def _adaptive_mode(fn, device: str) -> _Mode:
     import adaptive_eager as ae
     device_sync = _device_sync(device)
@@ -134,7 +146,8 @@ def _compile_mode(fn, device: str) -> _Mode:
     return _Mode(torch.compile(fn), _device_sync(device), contextlib.nullcontext, counts)
 
 
-_MODE_BUILDERS = {"eager": _eager_mode, "adaptive": _adaptive_mode, "compile": _compile_mode}
+_MODE_BUILDERS = {"eager": _eager_mode, EAGER_MALLOC: _eager_malloc_mode,
+                  "adaptive": _adaptive_mode, "compile": _compile_mode}
 
 
 def _timed_steps(mode: _Mode, case, iterations: range) -> tuple[list[float], Any]:

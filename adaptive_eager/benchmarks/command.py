@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny, medium and/or large (default: large, or the default's "
                              "sizes)")
     parser.add_argument("--modes", metavar="M,M",
-                        help="comma-separated among eager,adaptive,compile (default: all three; "
-                             "eager always runs, it is the reference)")
+                        help="comma-separated among eager,eager+malloc,adaptive,compile "
+                             "(default: all four; eager always runs, it is the reference)")
     parser.add_argument("--iters", type=int, default=runner.DEFAULT_ITERS, metavar="N",
                         help=f"cold steps timed from the start, and steady steps timed after "
                              f"warm-up (default: {runner.DEFAULT_ITERS})")

@@ -16,10 +16,10 @@ import time
 from typing import TextIO
 
 from adaptive_eager.benchmarks import results
-from adaptive_eager.benchmarks.child import MODES
+from adaptive_eager.benchmarks.child import EAGER_MALLOC, MODES
 from adaptive_eager.benchmarks.results import FAILED, MISMATCH, SKIPPED, Row
 
-# The main command's embedded default (about two minutes on 2 cores, three modes): the two
+# The main command's embedded default (about two minutes on 2 cores, four modes): the two
 # workloads the runtime is built for, at the size where fusion pays, and a training step and
 # a transformer block, where it does not pay yet, so a newcomer sees both.
 DEFAULT_CASES = (("chain8", "large"), ("ln_gelu_residual", "large"),
@@ -187,6 +187,11 @@ def _run_mode(workload, size: str, mode: str, plan: Plan, eager: ChildOutcome | 
     """One mode's child and its row; ``eager``: the reference outcome (None for eager itself)."""
     if eager is not None and eager.measurement is None:
         return Row(workload.name, size, mode, FAILED, "the eager reference failed"), None
+    if mode == EAGER_MALLOC:
+        from adaptive_eager.runtime.allocator import why_left_alone
+        reason = why_left_alone()
+        if reason:
+            return Row(workload.name, size, mode, SKIPPED, reason), None
     warmup = None if eager is None else eager.measurement["warmup_steps"]
     outcome = run_child(workload.name, size, mode, plan, os.path.join(directory, mode), warmup)
     if outcome.measurement is None:

@@ -51,12 +51,21 @@ def _mallopt():
         return None
 
 
+def why_left_alone() -> str | None:
+    """Why keep_freed_memory() would leave malloc alone in this process (None: it would not)."""
+    if _user_chose_malloc_settings():
+        return "the environment sets malloc's own settings"
+    if _mallopt() is None:
+        return "malloc is not glibc's"
+    return None
+
+
 def keep_freed_memory() -> bool:
     """Note [Allocator thresholds]: set glibc's thresholds once per process. True if they are
     set (now or before); False where they are left alone."""
     global _tuned
     if _tuned is None:
-        mallopt = None if _user_chose_malloc_settings() else _mallopt()
+        mallopt = None if why_left_alone() else _mallopt()
         _tuned = mallopt is not None and \
             mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and \
             mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1

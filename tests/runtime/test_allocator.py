@@ -72,6 +72,16 @@ def test_a_programs_own_malloc_settings_are_kept(calls, monkeypatch, name, value
     monkeypatch.setenv(name, value)
     assert not allocator.keep_freed_memory()
     assert calls == []
+    assert allocator.why_left_alone() == "the environment sets malloc's own settings"
+
+
+def test_another_malloc_is_left_alone_and_says_so(monkeypatch):
+    monkeypatch.setattr(allocator, "_tuned", None)
+    monkeypatch.setattr(allocator, "_mallopt", lambda: None)
+    for name in allocator._USER_SETTINGS + ("GLIBC_TUNABLES",):
+        monkeypatch.delenv(name, raising=False)
+    assert allocator.why_left_alone() == "malloc is not glibc's"
+    assert not allocator.keep_freed_memory()
 
 
 def test_enable_leaves_malloc_alone_unless_asked(calls):
