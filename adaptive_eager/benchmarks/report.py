@@ -153,6 +153,10 @@ Inductor and kernel caches; every mode ran the same seeded inputs):
   about {warmup_s:g} s of eager steps ({fewest}-{most} steps; the same count in every mode),
   with waits for background compiles before and half-way through it (adaptive only).
 - **x eager** — step ms / eager's step ms: below 1.00 is faster than eager.
+- **eager+malloc** rows — plain eager with the glibc malloc thresholds `MALLOC_TUNING=1` sets
+  (off by default in both eager and adaptive). The runtime's kernels write buffers it pools,
+  so on large tensors part of its gain is memory reuse: this row is what eager gets from the
+  allocator alone, and adaptive's step ms over this row's is what fusion adds.
 - **x eager paired** — adaptive only: after its steady steps, four blocks of N/2 steps,
   plain eager (`ae.paused()`), the runtime's, the runtime's, plain eager, each timed alone
   (a block's first step left out); the median of the runtime's over eager's. One process and
