@@ -51,8 +51,8 @@ from typing import Any, Callable
 WARMUP_S = 3.0
 WARMUP_STEPS = 3
 MOST_WARMUP_STEPS = 500
-MODES = ("eager", "eager+malloc", "adaptive", "compile")
 EAGER_MALLOC = "eager+malloc"     # eager with the thresholds MALLOC_TUNING=1 sets
+MODES = ("eager", EAGER_MALLOC, "adaptive", "compile")
 
 
 @dataclasses.dataclass(frozen=True)
