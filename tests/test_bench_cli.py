@@ -82,6 +82,53 @@ def test_tiny_run_in_fresh_processes_writes_every_field(tmp_path, monkeypatch, c
 
 # ---------------------------------------------------------------------- the output check
 
+def _recording_mode(events: list):
+    """A child's mode that records what the schedule does, in order."""
+    import contextlib
+    from adaptive_eager.benchmarks.child import _Mode
+
+    @contextlib.contextmanager
+    def outside():
+        events.append("outside")
+        yield
+    return _Mode(call=lambda x: events.append(("call", x)), settle=lambda: None,
+                 scope=contextlib.nullcontext, counts=lambda: (0, 0.0),
+                 finish=lambda: events.append("finish"), outside=outside)
+
+
+@pytest.mark.parametrize("fresh, expected", [
+    # The same tensors every step: built once, one finish at the block's end.
+    (False, ["outside"] + [("call", "x0")] * 20 + ["finish"]),
+    # Fresh ones: built FRESH_INPUTS_AHEAD at a time, each chunk finished.
+    (True, ["outside"] + [("call", f"x{i}") for i in range(16)] + ["finish", "outside"]
+     + [("call", f"x{i}") for i in range(16, 20)] + ["finish"]),
+])
+def test_steps_are_timed_without_a_sync_each(fresh, expected):
+    """A program does not call ae.sync() every step (~5 us, a control point): a block of steps
+    ends with one, and inputs are built outside the runtime ahead of the steps."""
+    from adaptive_eager.benchmarks import child
+    from adaptive_eager.benchmarks.workloads import Case
+    assert child.FRESH_INPUTS_AHEAD == 16
+    events: list = []
+    inputs = (lambda i: (f"x{i}",)) if fresh else (lambda i: ("x0",))
+    case = Case(fn=None, inputs=inputs, fresh_inputs=fresh)
+    times, _ = child._timed_steps(_recording_mode(events), case, range(20))
+    assert events == expected
+    assert len(times) == 20
+
+
+def test_a_blocks_finish_is_counted_in_its_last_step(monkeypatch):
+    from adaptive_eager.benchmarks import child
+    from adaptive_eager.benchmarks.workloads import Case
+    now = [0.0]
+    monkeypatch.setattr(child.time, "perf_counter", lambda: now[0])
+    mode = _recording_mode([])
+    mode.call = lambda x: now.__setitem__(0, now[0] + 1.0)          # a step: 1 s
+    mode.finish = lambda: now.__setitem__(0, now[0] + 5.0)          # the block's end: 5 s
+    times, _ = child._timed_steps(mode, Case(fn=None, inputs=lambda i: ("x",)), range(3))
+    assert times == [1.0, 1.0, 6.0]
+
+
 def test_compare_outputs_finds_a_wrong_value():
     expected = (torch.ones(4), torch.zeros(2))
     assert results.compare_outputs((torch.ones(4), torch.zeros(2) + 1e-6), expected,

@@ -25,8 +25,13 @@ The eager child, the reference, runs first and picks the warm-up's length from i
 steps; the parent hands it to the other modes (``--warmup``), so every mode runs the same
 steps on the same inputs.
 
-Each step ends when its work has been done: under the runtime with ``ae.sync()`` (deferred work
-would otherwise land in the next step's time), on CUDA with a device synchronize.
+Each step is timed as a program runs it. On CUDA it ends with a device synchronize. Under the
+runtime it does not end with ``ae.sync()``, which no program calls every step: on a ~20 us
+step its ~5 us (a control point, Note [Natural boundaries] in dispatch/control.py) made the
+runtime look 15-25% slower than eager, and its control point every step made a bare loop of
+tensor ops, which passes none, run unlike the program itself. Deferred work a step leaves lands
+in the next step's time, as it does in the program; each block of steps ends with one
+``ae.sync()``, counted in its last step, so the block's total holds all its work.
 """
 from __future__ import annotations
 
@@ -81,7 +86,8 @@ class Measurement:
 
 @dataclasses.dataclass
 class _Mode:
-    """How one mode runs a step: ``call`` on a step's arguments, ``settle`` to finish its work,
+    """How one mode runs a step: ``call`` on a step's arguments, ``settle`` to end each step
+    (a device synchronize), ``finish`` to end a block of steps (the runtime's deferred work),
     ``scope`` around the whole schedule, ``counts`` → (compiles, compile seconds),
     ``outside`` around what is not the program's (building a step's inputs)."""
 
@@ -89,6 +95,7 @@ class _Mode:
     settle: Callable[[], None]
     scope: Callable[[], contextlib.AbstractContextManager]
     counts: Callable[[], tuple[int, float]]
+    finish: Callable[[], None] = lambda: None
     wait_for_compiles: Callable[[], None] = lambda: None
     outside: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     pairs: bool = False                # run step 5 (``outside`` is plain eager)
@@ -120,14 +127,14 @@ def _adaptive_mode(fn, device: str) -> _Mode:
     import adaptive_eager as ae
     device_sync = _device_sync(device)
 
-    def settle() -> None:
+    def finish() -> None:
         ae.sync()
         device_sync()
 
     def counts() -> tuple[int, float]:
         stats = ae.stats()
         return stats.compiles, stats.compile_seconds
-    return _Mode(fn, settle, ae.enabled, counts,
+    return _Mode(fn, device_sync, ae.enabled, counts, finish=finish,
                  wait_for_compiles=lambda: ae.sync(wait_compiles=600), outside=ae.paused,
                  pairs=True)
 
@@ -151,17 +158,30 @@ _MODE_BUILDERS = {"eager": _eager_mode, EAGER_MALLOC: _eager_malloc_mode,
 
 
 def _timed_steps(mode: _Mode, case, iterations: range) -> tuple[list[float], Any]:
-    """Run these iterations, each timed alone; its arguments are built just before, outside
-    the timing and the interception (the same tensors in every mode)."""
+    """Run these iterations, each timed alone. Their arguments are built ahead, outside the
+    timing and the interception (the same tensors in every mode): stepping out of the runtime
+    for them (``ae.paused()``) finishes deferred work, untimed. So a block's arguments are
+    built at its start, in chunks of FRESH_INPUTS_AHEAD where the case makes fresh ones; a
+    chunk's finish is counted in its last step."""
     times, output = [], None
-    for iteration in iterations:
+    ahead = FRESH_INPUTS_AHEAD if case.fresh_inputs else max(1, len(iterations))
+    for first in range(0, len(iterations), ahead):
         with mode.outside():
-            args = case.inputs(iteration)
+            chunk = [case.inputs(iteration) for iteration in iterations[first:first + ahead]]
+        for args in chunk:
+            started = time.perf_counter()
+            output = mode.call(*args)      # kept alive, as a program would keep its result
+            mode.settle()
+            times.append(time.perf_counter() - started)
         started = time.perf_counter()
-        output = mode.call(*args)          # kept alive, as a program would keep its result
-        mode.settle()
-        times.append(time.perf_counter() - started)
+        mode.finish()
+        times[-1] += time.perf_counter() - started
     return times, output
+
+
+# Fresh inputs built at a time: bounded memory (a large variable_shape input is ~3 MB), and
+# one step out of the runtime per this many steps.
+FRESH_INPUTS_AHEAD = 16
 
 
 def _paired_steps(mode: _Mode, case, first: int, iters: int) -> tuple[list[float], list[float]]:

@@ -178,7 +178,9 @@ Inductor and kernel caches; every mode ran the same seeded inputs):
   reorder float sums). A `MISMATCH` row's timings are not to be trusted, and the command
   exits non-zero.
 
-Each adaptive step ends with `ae.sync()`, so deferred work lands in its own step's time.
+Steps are timed as a program runs them: an adaptive step does not end with `ae.sync()`
+(~5 us, which no program pays every step), so deferred work it leaves lands in the next
+step's time; each block of steps ends with one `ae.sync()`, counted in its last step.
 {isa}"""
 
 _REPRODUCE = """\

@@ -33,10 +33,12 @@ REDUCTION = Tolerance(rtol=1e-3, atol=1e-3)
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One workload at one size: iteration ``i`` is ``fn(*inputs(i))``."""
+    """One workload at one size: iteration ``i`` is ``fn(*inputs(i))``; ``fresh_inputs``:
+    ``inputs`` makes new tensors each iteration (else it hands back the same ones)."""
 
     fn: Callable[..., Any]
     inputs: Callable[[int], tuple]
+    fresh_inputs: bool = False
 
     def step(self, iteration: int = 0) -> Any:
         return self.fn(*self.inputs(iteration))
@@ -227,7 +229,7 @@ def _build_variable_shape(size: str, device: str) -> Case:
         length = first_length + iteration % VARIABLE_CYCLE
         x = torch.randn(4, length, width, generator=generator)
         return (x.to(device),)
-    return Case(_no_grad(block.eval()), inputs)
+    return Case(_no_grad(block.eval()), inputs, fresh_inputs=True)
 
 
 TINY_LOOP = {"tiny": 16, "medium": 64, "large": 256}   # width of batch-1 layers
