@@ -73,8 +73,8 @@ class Enabled:
         if (self.phase, phase) not in _MOVES:
             raise InvalidTransition(f"adaptive_eager: no move from {self.phase.value} to "
                                     f"{phase.value} (please report this bug)")
-        if phase is Phase.PAUSED:
-            control.pause_begun()
+        if phase is Phase.PAUSED and self.phase is not Phase.ASIDE:
+            control.pause_begun()          # (back from ae.paused(): the same pause goes on)
         self.phase = phase
 
 

@@ -22,6 +22,19 @@ def test_the_listed_moves_are_made(start, end):
     assert enabled.phase is end
 
 
+def test_only_a_new_pause_counts_as_one_begun():
+    """A key's rate is not sampled across a pause (control.pauses_begun); back from an
+    ae.paused() block inside a pause, the same pause goes on."""
+    from adaptive_eager.dispatch import control
+    enabled = Enabled(runtime=None, interceptor=None, phase=Phase.INTERCEPTING)
+    before = control.pauses_begun()
+    enabled.move(Phase.PAUSED)
+    assert control.pauses_begun() == before + 1
+    enabled.move(Phase.ASIDE)
+    enabled.move(Phase.PAUSED)
+    assert control.pauses_begun() == before + 1
+
+
 @pytest.mark.parametrize("start, end", [
     (Phase.PAUSED, Phase.SITTING_OUT), (Phase.ASIDE, Phase.SITTING_OUT),
     (Phase.SITTING_OUT, Phase.PAUSED), (Phase.STOOD_ASIDE, Phase.INTERCEPTING),
