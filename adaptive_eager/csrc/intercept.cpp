@@ -308,6 +308,14 @@ void adaptive_eager::run_as_eager(const c10::OperatorHandle& op, DispatchKeySet 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "adaptive_eager's C++ interception backend (Note [The Fake key])";
   m.def("install", &install, "Register the fallback: '' on success, else the reason.");
+  // Note [Storages without Python objects] (dispatch/escapes.py)
+  m.def("storage_address", [](const at::Tensor& t) -> int64_t {
+    return reinterpret_cast<int64_t>(t.storage().unsafeGetStorageImpl());
+  }, "The address of a tensor's StorageImpl (UntypedStorage._cdata), making no storage object.");
+  m.def("storage_weak_ref", [](const at::Tensor& t) -> int64_t {
+    return reinterpret_cast<int64_t>(
+        c10::raw::intrusive_ptr::make_weak(t.storage().unsafeGetStorageImpl()));
+  }, "A weak reference to a tensor's StorageImpl, as UntypedStorage._weak_ref() makes one.");
   m.def("set_callbacks", [](py::object on_op, py::object should_resume, int64_t every) {
     Py_XDECREF(g_on_op);
     Py_XDECREF(g_should_resume);

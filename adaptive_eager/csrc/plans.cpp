@@ -17,22 +17,7 @@
 // it runs goes back to Python, whose recording then finds what the program does instead.
 // Kernels' paths and cold paths are two tries: a run starts on a kernel's when it can, so a
 // settled kernel always wins over watching.
-//
-// Note [Python objects change autograd's accumulation]
-// A known bug, left open: autograd's backward adds a second gradient for the same tensor in
-// place (add_) only when it holds the last reference to the first (InputBuffer's
-// can_accumulate_inplace: use_count 1). A tensor that Python's recording handled has a Python
-// object, which holds a reference for as long as C++ holds the tensor. So a backward that
-// Python records adds out of place (add), while the same backward run by cold plans or the
-// hot path, like eager, adds in place (add_): the plan misses at that op and Python records
-// on from there, with add again. On a small GPT-2's training step, with compiles off, this
-// gave 21 keys where the Python backend has 10, and 17 cold-plan misses in 12 steps; on the
-// bench's medium GPT-2, 34 keys against 13, each seen every 2-6 steps instead of every step,
-// so keys bank toward their compiles that much slower (test_hf_models.py,
-// test_a_training_step_is_cut_alike_every_step_on_the_cpp_backend, expected to fail). Giving
-// C++'s tensors Python objects too would match Python's recording, at a cost per op and with
-// an allocation per accumulation that eager does not make; the fix is for C++ to record cold
-// segments itself, so that no tensor of the program gets a Python object it would not have.
+
 #include "plans.h"
 
 #include <ATen/autocast_mode.h>

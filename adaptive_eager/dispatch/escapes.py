@@ -44,6 +44,7 @@ import threading
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from adaptive_eager.dispatch import native, upcalls
 from adaptive_eager.fork_safety import reinit_in_child
@@ -51,6 +52,34 @@ from adaptive_eager.fork_safety import reinit_in_child
 # The runtime's own storage access must not go through the flushing wrapper below (it would
 # try to flush from inside the runtime): it uses this, the method the wrapper wraps.
 raw_untyped_storage = torch._C.TensorBase.untyped_storage
+
+
+# Note [Storages without Python objects]
+# A storage's Python object, once made, lives as long as the storage (torch keeps the Python
+# object of a StorageImpl alive while C++ holds it), and holds a reference to it. Autograd
+# adds a second gradient into the first in place only where it holds the only reference to
+# its storage (InputBuffer's can_accumulate_inplace), so a gradient whose storage the
+# recording had looked at through untyped_storage() was added out of place, where eager and
+# the C++ backend's own runs add it in place. Python's recording then saw add where C++ saw
+# add_: a training step's cold plans missed at every such op, and its backward was cut
+# differently from step to step (a small GPT-2's: 21 keys instead of 10, 17 misses in 12
+# steps). So where the extension is loaded, the recording knows a storage by its address and
+# a weak reference that C++ makes, without a Python object.
+def storage_address(tensor: torch.Tensor) -> int:
+    """``raw_untyped_storage(tensor)._cdata``, without making the storage's Python object."""
+    ext = native.loaded()
+    return ext.storage_address(tensor) if ext is not None else \
+        raw_untyped_storage(tensor)._cdata
+
+
+def storage_weak_ref(tensor: torch.Tensor) -> StorageWeakRef:
+    """``StorageWeakRef(raw_untyped_storage(tensor))``, without making the storage's Python
+    object."""
+    ext = native.loaded()
+    if ext is None:
+        return StorageWeakRef(raw_untyped_storage(tensor))
+    return StorageWeakRef.from_weakref(ext.storage_weak_ref(tensor))
+
 
 _ESCAPING_METHODS = ("numpy", "tolist", "data_ptr", "__array__", "__dlpack__", "untyped_storage",
                      "storage", "_typed_storage", "__reduce_ex__")

@@ -31,7 +31,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from adaptive_eager.dispatch.escapes import raw_untyped_storage, shares_outside_memory
+from adaptive_eager.dispatch.escapes import (raw_untyped_storage, shares_outside_memory,
+                                             storage_address, storage_weak_ref)
 from adaptive_eager.dispatch.ops import OpClass, OpKind, Reason
 from adaptive_eager.runtime.buffers import pooled_storages
 from adaptive_eager.dispatch.signature import (Ref, TensorArg, TensorMeta, Unkeyable, encode_call,
@@ -271,13 +272,13 @@ class SegmentBuilder:
 
     def _unseen_alias(self, tensor: torch.Tensor) -> Ref | None:
         """Note [Shallow copies]: the ref of the output an unknown tensor aliases, if any."""
-        storage = raw_untyped_storage(tensor)
-        entry = self._layouts.get(storage._cdata)
+        address = storage_address(tensor)
+        entry = self._layouts.get(address)
         if entry is None or entry[0].expired():
             return None
         ref = entry[1].get(_layout(tensor))
         if ref is None:
-            if any(raw_untyped_storage(t)._cdata == storage._cdata for t in self.inputs):
+            if any(storage_address(t) == address for t in self.inputs):
                 return None     # other memory of an input (a view of it was an output): an input
             raise Unkeyable(Reason.UNSEEN_ALIAS, "a tensor on an output's memory made by no op")
         self._known[id(tensor)] = (weakref.ref(tensor), ref)
@@ -327,15 +328,15 @@ class SegmentBuilder:
 
     def _watch_storage(self, ref: Ref, tensor: torch.Tensor, whole: bool) -> None:
         """Note [Shallow copies]: remember where ``ref`` lives, to know its unseen aliases."""
-        storage = raw_untyped_storage(tensor)
-        entry = self._layouts.get(storage._cdata)
+        address = storage_address(tensor)      # Note [Storages without Python objects]
+        entry = self._layouts.get(address)
         if entry is not None and whole:
             # A new output on a known storage: a pooled buffer handed out again
             # (runtime/buffers.py), so the outputs it held before are dead, whatever holds it.
             for old in entry[1].values():
                 self._storages.pop(old, None)
         if entry is None or entry[0].expired() or whole:
-            entry = self._layouts[storage._cdata] = (StorageWeakRef(storage), {})
+            entry = self._layouts[address] = (storage_weak_ref(tensor), {})
         entry[1].setdefault(_layout(tensor), ref)
         if whole:
             self._storages[ref] = entry[0]
@@ -346,14 +347,14 @@ class SegmentBuilder:
         is known to live on (Note [Shallow copies])."""
         if not self.ops and not self.inputs:
             return False
-        mine = {raw_untyped_storage(t)._cdata for t in self.inputs}
+        mine = {storage_address(t) for t in self.inputs}
         for wrefs in (self._outputs.values(), *self._views_of.values()):
             for wref in wrefs:
                 tensor = wref()
                 if tensor is not None and tensor.layout is torch.strided:
-                    mine.add(raw_untyped_storage(tensor)._cdata)
+                    mine.add(storage_address(tensor))
         mine.update(weak.cdata for weak in self._storages.values() if not weak.expired())
-        return any(raw_untyped_storage(t)._cdata in mine for t in tensors)
+        return any(storage_address(t) in mine for t in tensors)
 
     def repeats(self, signature: tuple) -> bool:
         """Has a loop wrapped around? True if this exact call (same op, sources, scalars) is

@@ -745,3 +745,18 @@ def test_ae_paused_takes_the_key_out_of_the_threads_dispatch_set(compiler):
             assert ae.stats().ops_seen == seen
         assert ext.is_included()
     assert not ext.is_included()
+
+
+def test_recording_leaves_no_storage_object_behind():
+    """Note [Storages without Python objects]: a storage's Python object lives as long as the
+    storage and holds a reference, which stops autograd adding a gradient into it in place.
+    Python's recording on the cpp backend watches every output's storage without one."""
+    x = torch.randn(8, 8)
+    with config.patch(BACKEND="cpp", COMPILE=False), ae.enabled():
+        y = (x * 2).sin()
+        ae.sync()
+        assert ae.stats().segments_recorded >= 1
+    address = native.loaded().storage_address(y)
+    assert torch._C._storage_Use_Count(address) == 1          # y's TensorImpl alone
+    y.untyped_storage()                      # what the recording used to do: a Python object
+    assert torch._C._storage_Use_Count(address) == 2

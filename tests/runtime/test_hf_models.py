@@ -69,14 +69,10 @@ def test_hf_model_training_equals_eager(make):
 
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="Note [Python objects change autograd's accumulation] (csrc/plans.cpp): Python's "
-           "recording gives tensors Python objects, so autograd adds gradients out of place "
-           "where C++ runs add them in place")
 def test_a_training_step_is_cut_alike_every_step_on_the_cpp_backend(default_backend):
     """Once its keys are known, a training step's cold plans run it whole, step after step:
-    none misses, and no new key turns up."""
+    none misses, and no new key turns up (Note [Storages without Python objects]: autograd
+    adds gradients in place under C++'s runs and Python's recording alike)."""
     if default_backend != "cpp":
         pytest.skip("the C++ backend cannot be built here")
     from adaptive_eager.config import config
