@@ -17,7 +17,6 @@
 // it runs goes back to Python, whose recording then finds what the program does instead.
 // Kernels' paths and cold paths are two tries: a run starts on a kernel's when it can, so a
 // settled kernel always wins over watching.
-
 #include "plans.h"
 
 #include <ATen/autocast_mode.h>
