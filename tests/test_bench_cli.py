@@ -80,7 +80,7 @@ def test_tiny_run_in_fresh_processes_writes_every_field(tmp_path, monkeypatch, c
     assert "reference" in captured.out and "chain8" in captured.out
 
 
-# ---------------------------------------------------------------------- the output check
+# ---------------------------------------------------------------------- timing steps
 
 def _recording_mode(events: list):
     """A child's mode that records what the schedule does, in order."""
@@ -128,6 +128,8 @@ def test_a_blocks_finish_is_counted_in_its_last_step(monkeypatch):
     times, _ = child._timed_steps(mode, Case(fn=None, inputs=lambda i: ("x",)), range(3))
     assert times == [1.0, 1.0, 6.0]
 
+
+# ---------------------------------------------------------------------- the output check
 
 def test_compare_outputs_finds_a_wrong_value():
     expected = (torch.ones(4), torch.zeros(2))

@@ -68,7 +68,6 @@ def test_hf_model_training_equals_eager(make):
     assert stats.fused_ops >= stats.ops_seen // STEPS, stats
 
 
-
 def test_a_training_step_is_cut_alike_every_step_on_the_cpp_backend(default_backend):
     """Once its keys are known, a training step's cold plans run it whole, step after step:
     none misses, and no new key turns up (Note [Storages without Python objects]: autograd
