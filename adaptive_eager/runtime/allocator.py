@@ -65,7 +65,7 @@ def keep_freed_memory() -> bool:
     set (now or before); False where they are left alone."""
     global _tuned
     if _tuned is None:
-        mallopt = None if why_left_alone() else _mallopt()
+        mallopt = None if _user_chose_malloc_settings() else _mallopt()
         _tuned = mallopt is not None and \
             mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and \
             mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
