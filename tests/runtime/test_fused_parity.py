@@ -1,5 +1,6 @@
 """Hot loops under the runtime equal eager, and the stats prove they really ran fused."""
 import copy
+import re
 
 import pytest
 import torch
@@ -152,7 +153,7 @@ def test_training_with_adamw_foreach_equals_eager():
 
 
 @pytest.mark.inductor
-def test_inductor_pointwise_chain_and_block():
+def test_inductor_pointwise_chain():
     x = torch.randn(256, 64)
     expected = pointwise_chain(x)
     with ae.enabled():
@@ -162,20 +163,64 @@ def test_inductor_pointwise_chain_and_block():
     _fused_ran(min_runs=2)
 
 
+def _generated_code(run):
+    """``run()``'s result and the kernels' code Inductor generated meanwhile (its FX graph
+    cache off: a graph an earlier test compiled would be loaded, not generated)."""
+    from torch._inductor.utils import run_and_get_code
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        return run_and_get_code(run)
+
+
+def _calls(code: str) -> list[str]:
+    """The kernels a generated ``call`` makes, in order: ``cpp_fused`` (Inductor's fused
+    C++ kernels) and ``extern_kernels.mm``-like library calls."""
+    return ["cpp_fused" if name.startswith("cpp_fused_") else name
+            for name in re.findall(r"\b(cpp_fused_\w+|extern_kernels\.\w+)\(", code)]
+
+
+@pytest.mark.inductor
+def test_inductor_matmul_block_calls_the_matmul_between_fused_kernels():
+    """A segment with a matmul in it compiles whole: the matmul stays a library call and
+    the pointwise work around it fuses (LayerNorm before it; bias, GELU and residual
+    after). Its fused runs equal eager."""
+    block, x = Block(64), torch.randn(256, 64)
+    with torch.no_grad():
+        expected = block(x)
+
+        def run():
+            with ae.enabled():
+                return [block(x) for _ in range(4)]
+        results, codes = _generated_code(run)
+    for got in results:
+        assert_equal(got, expected)
+    _fused_ran(min_runs=2)
+    assert [_calls(code) for code in codes] == \
+        [["cpp_fused", "extern_kernels.addmm", "cpp_fused"]]
+
+
 @pytest.mark.inductor
 def test_inductor_training_step_equals_eager():
+    """Forward and backward each compile with their matmuls inside: Inductor calls them as
+    library kernels between fused ones (GELU, LayerNorm and the loss, and their
+    gradients)."""
     data, target = torch.randn(8, 16), torch.randn(8, 4)
     eager_model, eager_opt = _model_and_optimizer()
     model, opt = _model_and_optimizer()
     eager_losses = _train(eager_model, eager_opt, data, target, 4)
-    with ae.enabled():
-        losses = _train(model, opt, data, target, 4)
+
+    def run():
+        with ae.enabled():
+            return _train(model, opt, data, target, 4)
+    losses, codes = _generated_code(run)
     assert_equal(losses, eager_losses)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         assert_equal(p, q)
         assert_equal(p.grad, q.grad)
     stats = _fused_ran(min_runs=2)
     assert stats.compile_failures == 0, stats.fallbacks
+    with_matmuls = [calls for calls in map(_calls, codes)
+                    if "cpp_fused" in calls and any(c.startswith("extern_kernels.") for c in calls)]
+    assert len(with_matmuls) >= 2, [_calls(code) for code in codes]    # forward, backward
 
 
 def _recycling_chain(x, y):
