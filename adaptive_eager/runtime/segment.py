@@ -19,7 +19,9 @@ A loop that drops what it computes (``for _ in range(n): model(x)``, the first t
 anyone writes) leaves nothing live, and a kernel of nothing would have no output (Inductor's
 cannot even be saved): its compile failed and the loop ran per-op for good. Where nothing is
 live and nothing is written, the segment's final results count as live instead, so such a
-loop fuses and costs what computing its results costs, as it does in eager.
+loop fuses and costs what computing its results costs, as it does in eager. They are read from
+the records, since a run the C++ backend hands over brings no tensor for an output already
+dead (Engine.adopt_native_run).
 """
 from __future__ import annotations
 
@@ -384,10 +386,13 @@ class SegmentBuilder:
 
     def _final_results(self) -> tuple[Ref, ...]:
         """Non-view outputs that no later compute op reads (a view's reads do not count: a
-        result reshaped at the end is still a result)."""
+        result reshaped at the end is still a result), from the records: a handed-over run's
+        dead outputs are not among ``_outputs``."""
         read = {arg.ref for op in self.ops if op.kind is not OpKind.VIEW
                 for arg in tensor_args((op.args, op.kwargs))}
-        return tuple(ref for ref in self._outputs if ref not in read)
+        return tuple(ref for index, op in enumerate(self.ops) if op.kind is OpKind.FUSIBLE
+                     for out, meta in enumerate(op.out_metas)
+                     if meta is not None and (ref := ("out", index, out)) not in read)
 
     def _held_elsewhere(self, ref: Ref) -> bool:
         """Note [Shallow copies]: does a tensor no op returned share the output's storage?"""

@@ -236,6 +236,31 @@ def test_a_run_that_leaves_a_plan_s_path_is_recorded_on_by_python():
         assert_equal(b, second(x, w), bitwise=True)
 
 
+def test_a_run_cut_short_after_its_outputs_died_keeps_its_final_result_live():
+    """A cold run that stops short of its plan's end (here at a random op, a boundary) is
+    handed to Python's recording with no tensor for the outputs already dead: a loop that
+    drops what it computes left none. Its final result still counts as live (Note [Results
+    thrown away]): with nothing live, its kernel had no output, could not be saved, and the
+    key failed for good (GPT-2's last layer and LM head, in a loop dropping the logits)."""
+    x, w = torch.randn(256), torch.randn(256)
+
+    def longer(x, w):
+        return ((x * w + 1.0).sin() * 3.0).cos()
+
+    def cut_short(x, w):
+        (x * w + 1.0).sin()                 # dropped, like the three ops of longer before it
+        torch.rand(2)                       # a boundary where longer goes on
+
+    with config.patch(COMPILE=False), ae.enabled():
+        for _ in range(4):
+            longer(x, w)
+        for _ in range(3):
+            cut_short(x, w)
+        ae.sync()
+        [entry] = [e for e in engine.shared_table().entries() if len(e.segment.ops) == 3]
+    assert entry.segment.live_refs == (("out", 2, 0),)       # the sin: its final result
+
+
 def test_a_loss_whose_backward_passes_no_class_weights_runs_cold_in_cpp():
     """``nll_loss_backward`` gets its ``weight=None`` from autograd as an undefined tensor,
     which Python records as None: the plan must take one for the other, or the key's runs
