@@ -81,6 +81,8 @@ class KeyEntry:
     watched_runs: int = 0
     watched_s: float = 0.0
     stretch_pauses: int = -1
+    came_back: bool = False            # seen again after a pause began: it recurs, as one
+                                       # that crosses control points does (bare loops pass none)
     seen_noted: int = 0                # of ``seen``, how many the disk cache was told of
     cold_plan: int | None = None       # the C++ cold plan running it (Note [Cold plans])
     cold_refused: bool = False         # C++ cannot, or should not, run it cold
@@ -163,6 +165,8 @@ class KeyEntry:
         if pauses == self.stretch_pauses and self.seen:   # watched since its last sighting
             self.watched_runs += runs
             self.watched_s += now - self.last_seen
+        elif self.seen:
+            self.came_back = True
         self.stretch_pauses = pauses
         self.seen += runs
         self.last_seen, self.last_point = now, control.points_passed()

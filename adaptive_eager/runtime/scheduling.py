@@ -27,9 +27,10 @@ are counted per run, not per second, so no decision depends on the wall clock.
 A key keeps the runtime watching while it waits only if its runs save more than watching them
 costs (WATCH_S_PER_OP an op: ~55 us through Python's mode, ~10 us on the C++ backend). One
 that saves less lets the runtime pause, and banks meanwhile at each control point, at the
-rate it was seen running while watched (runs_per_second; only keys seen across steps: a key
-seen twice within one step, made of per-step scalars, never comes back); the pause ends when
-a kernel lands. Any pause (the step judge's too) banks so.
+rate it was seen running while watched (runs_per_second; only keys seen across steps, or in a
+bare loop seen again after a pause: a key seen twice within one step, made of per-step
+scalars, never comes back); the pause ends when a kernel lands. Any pause (the step judge's
+too) banks so, and so does a bare loop's at each wake (Note [Waking a paused thread]).
 
 Due keys compile one at a time, the one that banked the most savings first (the worker
 compiles one graph at a time anyway; queued in the worker they would go first come, first
@@ -101,10 +102,22 @@ def runs_per_second(entry: Any) -> float:
     again: POINTS_BEFORE_PAUSE in runtime/pausing.py); else since it was first seen, which
     pauses dilute (GPT-2's optimizer key, credited so at a tenth of its rate, was still
     waiting after 90 s). 0 for a key seen within one step only (keys made of per-step
-    scalars: they never come back)."""
-    if entry.last_point == entry.first_point or entry.seen < 2:
+    scalars: they never come back).
+
+    A program that passes no control point (a bare loop) has no steps to cross: there a key
+    recurs if it came back after a pause began, and one watched run measures its rate, as
+    such a loop's stretches between pauses see each key once or twice. (Counted as a key
+    seen within one step, a bare GPT-2 inference loop's forward chunks banked nothing
+    while paused and never compiled.)"""
+    if entry.seen < 2:
         return 0.0
-    if entry.watched_runs >= MIN_WATCHED_RUNS and entry.watched_s > 0:
+    if entry.last_point != entry.first_point:          # seen across steps
+        least_watched = MIN_WATCHED_RUNS
+    elif entry.came_back:                              # in a bare loop
+        least_watched = 1
+    else:
+        return 0.0
+    if entry.watched_runs >= least_watched and entry.watched_s > 0:
         return entry.watched_runs / entry.watched_s
     return (entry.seen - 1) / max(entry.last_seen - entry.first_seen, 1e-6)
 

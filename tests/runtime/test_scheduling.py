@@ -68,3 +68,34 @@ def test_a_keys_rate_adds_up_over_short_watched_stretches(fake_clock):
         control.pause_begun()
         fake_clock.advance(10.0)
     assert scheduling.runs_per_second(entry) == pytest.approx(10, rel=0.01)
+
+
+def test_a_bare_loops_key_that_comes_back_after_a_pause_has_its_watched_rate(fake_clock):
+    """A loop that passes no control point crosses no step: a key seen again after a pause
+    began recurs all the same, and banks while paused at its watched rate. Stretches of one
+    run a pause apart, then a stretch of two runs 0.1 s apart: 10 a second (over its whole
+    history, mostly paused: ~0.4)."""
+    from adaptive_eager.dispatch import control
+    from adaptive_eager.runtime.entries import KeyEntry
+    entry = KeyEntry(segment=None)
+    entry.sighted(1)
+    assert scheduling.runs_per_second(entry) == 0.0
+    for _ in range(3):
+        control.pause_begun()
+        fake_clock.advance(2.0)
+        entry.sighted(1)
+    assert entry.last_point == entry.first_point            # no control point passed
+    fake_clock.advance(0.1)
+    entry.sighted(1)
+    assert scheduling.runs_per_second(entry) == pytest.approx(10, rel=0.01)
+
+
+def test_a_key_seen_only_within_one_stretch_of_a_bare_loop_banks_nothing(fake_clock):
+    """Keys made of one step's scalars come in a burst and never again: with no control
+    point and no pause in between, nothing says they recur."""
+    from adaptive_eager.runtime.entries import KeyEntry
+    entry = KeyEntry(segment=None)
+    for _ in range(6):
+        fake_clock.advance(0.01)
+        entry.sighted(1)
+    assert scheduling.runs_per_second(entry) == 0.0
