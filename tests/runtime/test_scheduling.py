@@ -74,7 +74,7 @@ def test_a_bare_loops_key_that_comes_back_after_a_pause_has_its_watched_rate(fak
     """A loop that passes no control point crosses no step: a key seen again after a pause
     began recurs all the same, and banks while paused at its watched rate. Stretches of one
     run a pause apart, then a stretch of two runs 0.1 s apart: 10 a second (over its whole
-    history, mostly paused: ~0.4)."""
+    history, mostly paused: ~0.7)."""
     from adaptive_eager.dispatch import control
     from adaptive_eager.runtime.entries import KeyEntry
     entry = KeyEntry(segment=None)
