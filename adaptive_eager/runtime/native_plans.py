@@ -30,6 +30,7 @@ from adaptive_eager.dispatch.signature import (KEY_CONTEXT_FIELDS, LiftedScalar,
 from adaptive_eager.runtime import clock
 from adaptive_eager.runtime.first_runs import first_run
 from adaptive_eager.runtime.scheduling import program_seconds
+from adaptive_eager.runtime.segment import final_results
 from adaptive_eager.runtime.stats import counters
 
 log = logging.getLogger("adaptive_eager")
@@ -397,7 +398,8 @@ def _plan(segment, node_ids: list, mutates: bool) -> tuple:
     arguments."""
     ops = [_op_spec(record, node_id) for record, node_id in zip(segment.ops, node_ids)]
     live = [_out_ref(ref) for ref in segment.live_refs]
-    return (_context(segment.context), ops, live, _final_results(segment), mutates,
+    final = [_out_ref(ref) for ref in final_results(segment.ops)]   # Note [Results thrown away]
+    return (_context(segment.context), ops, live, final, mutates,
             sorted(segment.written_inputs))
 
 
@@ -413,23 +415,6 @@ def _out_ref(ref: tuple) -> tuple:
     if ref[0] != "out":
         raise Unsupported(f"ref {ref}")
     return ref[1], ref[2]
-
-
-def _final_results(segment) -> list:
-    """Note [Results thrown away] (runtime/segment.py): what counts as live when nothing is."""
-    read = {arg.ref for op in segment.ops if op.kind is not OpKind.VIEW
-            for arg in _tensor_args((op.args, op.kwargs))}
-    return [(index, out) for index, op in enumerate(segment.ops) if op.kind is OpKind.FUSIBLE
-            for out, meta in enumerate(op.out_metas)
-            if meta is not None and ("out", index, out) not in read]
-
-
-def _tensor_args(encoded):
-    if type(encoded) is TensorArg:
-        yield encoded
-    elif isinstance(encoded, tuple) and type(encoded) is not ScalarArg:
-        for item in encoded:
-            yield from _tensor_args(item)
 
 
 def _op_spec(record, node_id: int) -> tuple:

@@ -178,6 +178,17 @@ def from_wire(wire: tuple) -> Segment:
     return Segment(tuple(ops), input_metas, live_refs, ())
 
 
+def final_results(ops) -> tuple[Ref, ...]:
+    """Note [Results thrown away]: the non-view outputs of ``ops`` that no later compute op
+    reads (a view's reads do not count: a result reshaped at the end is still a result),
+    from the records: a handed-over run's dead outputs are not among a builder's outputs."""
+    read = {arg.ref for op in ops if op.kind is not OpKind.VIEW
+            for arg in tensor_args((op.args, op.kwargs))}
+    return tuple(ref for index, op in enumerate(ops) if op.kind is OpKind.FUSIBLE
+                 for out, meta in enumerate(op.out_metas)
+                 if meta is not None and (ref := ("out", index, out)) not in read)
+
+
 class SegmentBuilder:
     """Records a segment op by op; knows each tensor's Ref and which outputs are still alive."""
 
@@ -382,17 +393,7 @@ class SegmentBuilder:
                      or self._held_elsewhere(ref))
         if live or any(op.kind is OpKind.MUTATING for op in self.ops):
             return live
-        return self._final_results()
-
-    def _final_results(self) -> tuple[Ref, ...]:
-        """Non-view outputs that no later compute op reads (a view's reads do not count: a
-        result reshaped at the end is still a result), from the records: a handed-over run's
-        dead outputs are not among ``_outputs``."""
-        read = {arg.ref for op in self.ops if op.kind is not OpKind.VIEW
-                for arg in tensor_args((op.args, op.kwargs))}
-        return tuple(ref for index, op in enumerate(self.ops) if op.kind is OpKind.FUSIBLE
-                     for out, meta in enumerate(op.out_metas)
-                     if meta is not None and (ref := ("out", index, out)) not in read)
+        return final_results(self.ops)
 
     def _held_elsewhere(self, ref: Ref) -> bool:
         """Note [Shallow copies]: does a tensor no op returned share the output's storage?"""
