@@ -565,6 +565,17 @@ bool paused_op(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Sta
   return root != nullptr && start_run(run, trie, root, /*cold=*/false, op, ks, stack);
 }
 
+bool paused_op_passes(const c10::OperatorHandle& op) {
+  if (!t_hot || g_off.load(std::memory_order_relaxed)) return true;
+  if (t_run.node != nullptr) return false;
+  const auto& trie = current_trie();
+  if (!trie) return true;
+  for (const auto& [context, root] : trie->kernel_roots)   // (any context: paused_op checks)
+    for (const auto& child : root->children)
+      if (child->spec->op == op) return false;
+  return true;
+}
+
 bool is_retry(PyObject* answer) { return answer == g_retry && answer != nullptr; }
 
 bool thread_idle() { return t_hot && !t_open && t_run.node == nullptr; }

@@ -5,6 +5,10 @@
 #include <ATen/core/stack.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <memory>
+
+namespace torch { class Library; }
+
 namespace adaptive_eager {
 
 // An op of an intercepting, unpaused thread. True: deferred here, its outputs are on the
@@ -17,6 +21,19 @@ bool paused_op(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit
 
 // Is this thread paused (passing ops straight through, but for its kernels: intercept.cpp)?
 bool thread_paused();
+
+// Note [Unboxed pass-through] (unboxed.cpp). Would the fallback only pass this op straight
+// through (counted as a paused op if so)? intercept_boxed is the fallback itself.
+bool passes_unboxed(const c10::OperatorHandle& op);
+void intercept_boxed(const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                     torch::jit::Stack* stack);
+// Would paused_op pass this op straight through, whatever its arguments: no run deferred
+// and no settled kernel's path starting with its operator?
+bool paused_op_passes(const c10::OperatorHandle& op);
+// Kernels of our own on the key for the most common ops: registered while the returned
+// library lives (throws where the dispatcher refuses one); how many ops it covers.
+std::unique_ptr<torch::Library> register_unboxed();
+int64_t unboxed_op_count();
 
 // Does this thread run on the C++ hot path with no segment open, neither Python's nor a run
 // of its own (Note [Boundaries passed when idle] in intercept.cpp)?

@@ -46,10 +46,12 @@ PyObject* g_on_op = nullptr;          // on_op(func, args, kwargs) -> result
 PyObject* g_should_resume = nullptr;  // should_resume() -> None; may call set_paused(False)
 int64_t g_resume_every = 1024;
 std::unique_ptr<torch::Library> g_library;
+std::unique_ptr<torch::Library> g_unboxed;   // Note [Unboxed pass-through] (unboxed.cpp)
 
 thread_local bool t_paused = false;
 thread_local bool t_paused_kernels = false;   // Note [Kernels while paused] (hot_path.cpp)
 thread_local int64_t t_paused_ops = 0;
+thread_local int64_t t_unboxed_passes = 0;    // Note [Unboxed pass-through] (tests read it)
 
 void pass_through(const c10::OperatorHandle& op, DispatchKeySet ks, torch::jit::Stack* stack) {
   c10::impl::ExcludeDispatchKeyGuard guard(kKey);
@@ -238,11 +240,15 @@ std::string install() {
                                                     __FILE__, __LINE__);
     library->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
     g_library = std::move(library);
-    return "";
   } catch (const std::exception& err) {
     std::string message = err.what();
     return message.substr(0, message.find('\n'));
   }
+  try {                     // (without them every op reaches the fallback: slower, the same)
+    g_unboxed = adaptive_eager::register_unboxed();
+  } catch (const std::exception&) {
+  }
+  return "";
 }
 
 // Note [Waking a paused thread]
@@ -291,6 +297,19 @@ void wake_cancel() {
 
 bool adaptive_eager::thread_paused() { return t_paused; }
 
+bool adaptive_eager::passes_unboxed(const c10::OperatorHandle& op) {
+  if (!t_paused || t_paused_ops + 1 >= g_resume_every) return false;   // (the fallback asks)
+  if (t_paused_kernels && !adaptive_eager::paused_op_passes(op)) return false;
+  ++t_paused_ops;
+  ++t_unboxed_passes;
+  return true;
+}
+
+void adaptive_eager::intercept_boxed(const c10::OperatorHandle& op, DispatchKeySet ks,
+                                     torch::jit::Stack* stack) {
+  fallback(op, ks, stack);
+}
+
 int adaptive_eager::host_sync_slot(const c10::OperatorHandle& op) {
   const int slot = idle_slot(op);
   return slot >= 0 && g_idle_host_sync[slot].load(std::memory_order_relaxed) ? slot : -1;
@@ -308,6 +327,10 @@ void adaptive_eager::run_as_eager(const c10::OperatorHandle& op, DispatchKeySet 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "adaptive_eager's C++ interception backend (Note [The Fake key])";
   m.def("install", &install, "Register the fallback: '' on success, else the reason.");
+  m.def("unboxed_ops", [] { return g_unboxed ? adaptive_eager::unboxed_op_count() : 0; },
+        "How many ops have a kernel of ours on the key (Note [Unboxed pass-through]).");
+  m.def("unboxed_passes", [] { return t_unboxed_passes; },
+        "Ops this thread passed through unboxed so far (Note [Unboxed pass-through]).");
   // Note [Storages without Python objects] (dispatch/escapes.py)
   m.def("storage_address", [](const at::Tensor& t) -> int64_t {
     return reinterpret_cast<int64_t>(t.storage().unsafeGetStorageImpl());

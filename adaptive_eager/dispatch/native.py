@@ -34,7 +34,7 @@ NAME = "adaptive_eager_intercept"
 _CSRC = os.path.join(os.path.dirname(os.path.dirname(__file__)), "csrc")
 SOURCES = tuple(os.path.join(_CSRC, name) for name in ("intercept.cpp", "hot_path.cpp",
                                                         "run_end.cpp", "plans.cpp",
-                                                        "replay.cpp"))
+                                                        "replay.cpp", "unboxed.cpp"))
 HEADERS = tuple(os.path.join(_CSRC, name) for name in ("hot_path.h", "run.h", "plans.h"))
 BUILD_TIMEOUT_S = 600          # a build (or a wait for another process's) taking longer fails
 BUILD_LOG = "build.log"

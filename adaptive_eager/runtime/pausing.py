@@ -50,6 +50,12 @@ POINTS_BEFORE_PAUSE = 3
 # the program's own code between two ops of a segment (data loading, logging) is not taken
 # for interception.
 MOST_INTERCEPTION_S_PER_OP = 100e-6
+# Interception charged to a run of a cold plan (Note [Cold plans] in csrc/plans.cpp), per op:
+# they cost ~0.5-2 us an op beside eager (~1.5 measured over GPT-2's tiny training step,
+# harvests included). Their wall time would not do: it spans the program's own code between
+# ops, which costs eager as much and is far more on a small model. Uncharged, that step stayed
+# intercepting at 1.1-1.27x eager's time beside an AdamW kernel credited ~0.03 ms a step.
+COLD_PLAN_S_PER_OP = 1e-6
 
 
 class Pausing:
@@ -94,7 +100,9 @@ class Pausing:
 
     def ran_cold(self, entry, runs: int) -> None:
         """The extension ran ``runs`` of ``entry``'s segment per-op (Note [Cold plans] in
-        csrc/plans.cpp): they count toward a pause as Python's own per-op runs do."""
+        csrc/plans.cpp): they count toward a pause as Python's own per-op runs do, and their
+        interception is charged to the kernels (_watch_kernel) as theirs is."""
+        self.unpaid_s += runs * len(entry.segment.ops) * COLD_PLAN_S_PER_OP
         self._watch(entry, runs)
 
     def _watch(self, entry, runs: int = 1) -> None:

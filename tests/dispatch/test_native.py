@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -528,6 +529,65 @@ def _paused_with_a_kernel(x):
         thread_state._pause(enabled, enabled.runtime.paused_for())
         assert ext.is_paused() and ext.is_included()              # kernels kept: the key in
         yield
+
+
+def test_a_paused_threads_common_ops_pass_unboxed_but_a_kernels_first_op_is_deferred(compiler):
+    """Note [Unboxed pass-through] (csrc/unboxed.cpp): on a thread paused with its kernels,
+    an op with a kernel of ours on the key passes straight through without being boxed; one
+    without (atan) reaches the boxed fallback; and one whose operator starts a kernel's path
+    (mul, the chain's first op) goes on to the fallback, which defers it: the chain still runs
+    fused. Results equal eager's."""
+    ext = native.loaded()
+    assert ext.unboxed_ops() >= 100
+    x, y = torch.randn(64), torch.randn(64)
+    chain = lambda t: ((t * 2 + 1).sin() * 3).cos()        # noqa: E731
+    with _paused_with_a_kernel(x):
+        passes, fused = ext.unboxed_passes(), ae.stats().fused_executions
+        covered = [torch.sub(x, y).exp() for _ in range(10)]       # sub.Tensor, exp
+        assert ext.unboxed_passes() - passes == 20
+        uncovered = [x.atan() for _ in range(10)]
+        assert ext.unboxed_passes() - passes == 20
+        chained = [chain(x) for _ in range(10)]
+        ae.sync()
+        assert ae.stats().fused_executions - fused == 10
+    for got in covered:
+        assert_equal(got, torch.sub(x, y).exp())
+    for got in uncovered:
+        assert_equal(got, x.atan())
+    for got in chained:
+        assert_equal(got, chain(x))
+
+
+def test_cold_plan_runs_charge_their_interception_to_the_kernels_beside_them():
+    """Note [Pausing] (runtime/pausing.py): on the C++ backend the per-op segments beside a
+    kernel run on cold plans, which Python does not time; each of their ops is charged
+    COLD_PLAN_S_PER_OP of interception, which the kernel's saving must pay. Beside a 40-op
+    cold segment (40 us a run), a kernel saving 10 us a run lets the runtime pause; one
+    saving 1 ms keeps it on."""
+    from types import SimpleNamespace
+
+    from adaptive_eager.runtime import engine
+    from adaptive_eager.runtime.entries import KeyState
+    from adaptive_eager.runtime.pausing import COLD_PLAN_S_PER_OP
+    assert COLD_PLAN_S_PER_OP * 40 > 10e-6
+    cold = SimpleNamespace(segment=SimpleNamespace(ops=[None] * 40), state=KeyState.UNFUSIBLE,
+                           churning=False, hopeless=True, promising=lambda backend: False)
+    outcomes = {}
+
+    def loop(saving_s):          # (pausing state is the thread's: a thread of its own each)
+        kernel = SimpleNamespace(entry=SimpleNamespace(saving_s=saving_s))
+        with ae.enabled():
+            [runtime] = engine.live_runtimes()
+            for _ in range(8):
+                runtime.ran_cold(cold, 1)
+                runtime.ran_native_kernel(kernel)
+            outcomes[saving_s] = runtime.pause_requested
+    with config.patch(BACKEND="cpp", PAUSE=True, PAUSE_WINDOW=20):
+        for saving_s in (10e-6, 1e-3):
+            thread = threading.Thread(target=loop, args=(saving_s,))
+            thread.start()
+            thread.join()
+    assert outcomes == {10e-6: True, 1e-3: False}
 
 
 def test_a_pause_drops_kernels_whose_paths_only_part(compiler):
