@@ -4,6 +4,10 @@
 // A boxed fallback costs every op it sees its boxing: the dispatcher packs the arguments into
 // IValues, our fallback redispatches them boxed, the kernel below unpacks them, and the
 // results travel back the same way (~0.2 us for a pointwise op, more for lists and tuples).
+// Boxing copies each tensor argument, and in torch 2.13 a tensor that a Python object owns
+// takes the GIL (which torch's Python bindings released around the op) to incref that
+// object when its count goes from 1 to 2, and again to decref it on the way back: in a
+// fused 8-op chain on 4096 floats, taking and dropping the GIL was ~6% of the time.
 // A paused thread that keeps its kernels (Note [Kernels while paused] in hot_path.cpp) keeps
 // the key in its dispatch set, so it pays that on every op of the program: GPT-2's tiny
 // training step (362 ops) ran 8% slower passed through the fallback than plain, as much as

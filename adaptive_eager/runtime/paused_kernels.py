@@ -4,9 +4,10 @@ while paused])
 # Note [Kernels that do not pay while paused]
 A pause that keeps the thread's kernels (Note [Kernels while paused] in csrc/hot_path.cpp)
 keeps the key in its dispatch set, and that costs every op of the program, fused or not:
-- each op goes through the extension's boxed fallback: ~1.7 us an op for transformers'
-  decode ops (12,752 in a 32-token generate of the decode benchmark's small Llama: 8-14% of
-  its time), ~0.2 us for a plain pointwise op (the C++ spike);
+- each op goes through the extension: boxed, ~1.7 us an op for transformers' decode ops
+  (12,752 in a 32-token generate of the decode benchmark's small Llama: 8-14% of its time);
+  since the most common ops pass unboxed (Note [Unboxed pass-through] in csrc/unboxed.cpp),
+  ~0.1-0.3 us (2-6% of that generate, 2-3% of GPT-2's tiny training step);
 - a run that starts a kernel's path and parts from it is deferred, then replayed: ~90-190 us
   each there. The decode loop's q/k/v/o/gate/up projections share their first calls, so ~50
   runs a generate started a path and none fused.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-PASS_THROUGH_S_PER_OP = 0.5e-6
+PASS_THROUGH_S_PER_OP = 0.2e-6
 DIVERGENCE_S = 50e-6
 LEDGER_OPS = 8192          # paused ops a verdict weighs (a multiple of RESUME_EVERY)
 
