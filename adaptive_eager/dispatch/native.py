@@ -170,6 +170,9 @@ def _load(directory: str) -> ModuleType | None:
     taken = module.install()
     if taken:
         return _fail(f"DispatchKey::Fake is taken: {taken}")
+    if not module.unboxed_ops():    # Note [Unboxed pass-through]: slower, the same results
+        log.info("C++ interception: no unboxed pass-through (an op's kernel was refused); "
+                 "every op goes through the boxed fallback")
     from adaptive_eager.dispatch.escapes import tell_outside_memory
     tell_outside_memory(module)
     _module = module
