@@ -377,3 +377,12 @@ def test_a_missed_target_is_printed_and_a_failed_scenario_exits_1(tmp_path, monk
     assert [t["met"] for r in payload["results"] for t in r["targets"]] == [True, False]
     assert main(["bench", "--scenarios", "tiny_mlp"]) == 1
     assert "FAILED: tiny_mlp: RuntimeError: boom" in capsys.readouterr().out
+
+
+def test_paired_blocks_last_long_enough_on_short_steps_and_are_bounded():
+    from adaptive_eager.benchmarks.child import (MOST_PAIRED_BLOCK_STEPS, PAIRED_BLOCK_S,
+                                                 paired_block_steps)
+    assert paired_block_steps(10, 0.5) == 5                       # long steps: N/2
+    assert paired_block_steps(10, PAIRED_BLOCK_S / 40) == 40      # short: PAIRED_BLOCK_S worth
+    assert paired_block_steps(10, 1e-9) == MOST_PAIRED_BLOCK_STEPS
+    assert paired_block_steps(1, 1.0) == 2                        # a block's first step is dropped

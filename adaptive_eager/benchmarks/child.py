@@ -13,13 +13,16 @@ step's state after it is comparable too:
    whole, with a second wait for compiles half-way (adaptive only, timed): new kernels are
    judged profitable or not here, and a program with nothing to fuse pauses;
 4. steady: ``iters`` more steps timed one by one (their median is the step time);
-5. adaptive only: four blocks of ``iters // 2`` more steps, plain eager (``ae.paused()``),
+5. adaptive only: two rounds of four blocks of more steps, plain eager (``ae.paused()``),
    the runtime's, the runtime's, plain eager, each step timed alone: a ratio to eager from
    one process and one stretch of time, which the machine's drift between processes cannot
    skew (a 2-core machine here slowed eager's step 1.4x after ~20 s of load, so the later
-   child looked slower). A block's first step is not counted: switching in or out of
-   ``ae.paused()`` costs it what no program that stays in one mode pays (steps alternated
-   one by one ran the runtime's up to 4x slower than its steady steps).
+   child looked slower). A block is ``iters // 2`` steps, or more where they take less than
+   PAIRED_BLOCK_S: that machine's speed moves up to 2x over seconds, and 4 steps of 20 us a
+   block gave ratios anywhere from 0.87 to 1.44 on reruns of one row. A block's first step is
+   not counted: switching in or out of ``ae.paused()`` costs it what no program that stays in
+   one mode pays (steps alternated one by one ran the runtime's up to 4x slower than its
+   steady steps).
 
 The eager child, the reference, runs first and picks the warm-up's length from its own cold
 steps; the parent hands it to the other modes (``--warmup``), so every mode runs the same
@@ -42,6 +45,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -184,11 +188,12 @@ def _timed_steps(mode: _Mode, case, iterations: range) -> tuple[list[float], Any
 FRESH_INPUTS_AHEAD = 16
 
 
-def _paired_steps(mode: _Mode, case, first: int, iters: int) -> tuple[list[float], list[float]]:
+def _paired_steps(mode: _Mode, case, first: int, iters: int,
+                  step_s: float) -> tuple[list[float], list[float]]:
     """Step 5 from iteration ``first``: blocks of plain eager (``mode.outside()``) and of the
-    mode's steps, in the order PLAIN_FIRST. Returns (eager times, the mode's times), each
-    block's first step left out."""
-    block = max(2, iters // 2)
+    mode's steps, in the order PLAIN_FIRST, each of ``paired_block_steps``. Returns (eager
+    times, the mode's times), each block's first step left out."""
+    block = paired_block_steps(iters, step_s)
     times: dict[bool, list[float]] = {True: [], False: []}
     for number, plain in enumerate(PLAIN_FIRST):
         block_from = first + number * block
@@ -200,7 +205,15 @@ def _paired_steps(mode: _Mode, case, first: int, iters: int) -> tuple[list[float
 
 # Step 5's blocks: is each plain eager? Symmetric, so a steady drift of the machine's speed
 # weighs on both alike.
-PLAIN_FIRST = (True, False, False, True)
+PLAIN_FIRST = (True, False, False, True) * 2
+PAIRED_BLOCK_S = 0.05         # a block lasts at least this long at the steady step's median
+MOST_PAIRED_BLOCK_STEPS = 2000
+
+
+def paired_block_steps(iters: int, step_s: float) -> int:
+    """Steps in one of step 5's blocks: ``iters // 2``, or as many as take PAIRED_BLOCK_S."""
+    wanted = math.ceil(PAIRED_BLOCK_S / step_s) if step_s > 0 else MOST_PAIRED_BLOCK_STEPS
+    return max(2, iters // 2, min(MOST_PAIRED_BLOCK_STEPS, wanted))
 
 
 def _peak_rss_mib() -> float:
@@ -252,7 +265,8 @@ def measure(workload: str, size: str, mode_name: str, iters: int, device: str = 
         steady, output = _timed_steps(mode, case, range(steady_from, steady_from + iters))
         output = _detached(output)        # (the paired steps go on changing a model's state)
         paired_from = steady_from + iters
-        paired = _paired_steps(mode, case, paired_from, iters) if mode.pairs else ((), ())
+        paired = _paired_steps(mode, case, paired_from, iters, statistics.median(steady)) \
+            if mode.pairs else ((), ())
         compiles, compile_s = mode.counts()
     measurement = Measurement(workload, size, mode_name, tuple(cold), waited, warmup, warmup_s,
                               tuple(steady), compiles, compile_s, _peak_mib(device),

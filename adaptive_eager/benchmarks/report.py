@@ -157,11 +157,12 @@ Inductor and kernel caches; every mode ran the same seeded inputs):
   (off by default in both eager and adaptive). The runtime's kernels write buffers it pools,
   so on large tensors part of its gain is memory reuse: this row is what eager gets from the
   allocator alone, and adaptive's step ms over this row's is what fusion adds.
-- **x eager paired** — adaptive only: after its steady steps, four blocks of N/2 steps,
-  plain eager (`ae.paused()`), the runtime's, the runtime's, plain eager, each timed alone
-  (a block's first step left out); the median of the runtime's over eager's. One process and
-  one stretch of time: the machine's drift between the children (this one slows under
-  sustained load) does not enter it, nor the allocator's different state in another process.
+- **x eager paired** — adaptive only: after its steady steps, two rounds of four blocks,
+  plain eager (`ae.paused()`), the runtime's, the runtime's, plain eager, of N/2 steps or of
+  at least 0.05 s where N/2 steps take less, each step timed alone (a block's first step left
+  out); the median of the runtime's over eager's. One process and one stretch of time: the
+  machine's drift between the children (this one slows under sustained load) does not enter
+  it, nor the allocator's different state in another process.
 - **1st iter s**, **N iters s** — the first step, and the first N steps together, timed from
   the first step's start (cold: they include torch.compile's compile, and the adaptive
   runtime's recording while its background worker compiles).

@@ -24,9 +24,13 @@ phase however long a step is; a loop that passes no control point is never judge
 probe waits FIRST_PROBE_S after enable(): a program's first steps record and compile.
 
 A paused window that already took LOSING times the probe's fastest whole window ends there,
-and its state is out of the probe: timing a state costs the program what that state loses. A
-pointwise loop whose kernel runs 9x faster than its ops spent 32 steps of every probe at
-eager's speed in plain windows (the bench's chain8 large measured 0.47 of eager, not 0.11).
+untimed: timing a state costs the program what that state loses. A pointwise loop whose kernel
+runs 9x faster than its ops spent 32 steps of every probe at eager's speed in plain windows
+(the bench's chain8 large measured 0.47 of eager, not 0.11). A state is judged by its whole
+windows (their mean, counted as ROUNDS windows), and is out only when it lost in every round:
+one lost window may be the machine's, not the state's. On a 2-core machine whose speed moves
+2x within seconds, a small MLP's training step lost both its paused windows to one slow
+stretch and went on intercepting, 1.38x slower than paused, until the next probe.
 
 The plain window is measured, not inferred: keeping kernels while paused costs every op of the
 program a pass through the extension, each kernel a launch and its ops their deferral, and the
@@ -83,6 +87,7 @@ class Judge:
     keep_s: float = KEEP_FIRST_S      # the next wait after a verdict to keep intercepting
     schedule: list = dataclasses.field(default_factory=list)   # windows to time, running first
     totals: dict = dataclasses.field(default_factory=dict)     # the probe's seconds per state
+    whole: dict = dataclasses.field(default_factory=dict)      # its whole windows per state
     fastest_s: float = math.inf       # the probe's fastest whole window so far
     window_start: float | None = None     # None: no probe running
     points: int = 0
@@ -135,21 +140,20 @@ class Judge:
                 return self._next_window(now, lost=True)
             return Action.NONE
         self.totals[self.window] += elapsed
+        self.whole[self.window] += 1
         self.fastest_s = min(self.fastest_s, elapsed)
         return self._next_window(now, lost=False)
 
     def _start(self, now: float, kernels: bool) -> None:
         states = (State.INTERCEPTING, State.KERNELS) + ((State.PLAIN,) if kernels else ())
         self.schedule, self.totals = list(states) * ROUNDS, dict.fromkeys(states, 0.0)
+        self.whole = dict.fromkeys(states, 0)
         self.window_start, self.points, self.fastest_s = now, 0, math.inf
 
     def _next_window(self, now: float, lost: bool) -> Action:
         """The running window is over: whole, or ``lost`` (a paused state already slower than
-        the fastest window by LOSING: out of this probe, its windows not timed)."""
-        state = self.schedule.pop(0)
-        if lost:
-            self.totals[state] = math.inf
-            self.schedule = [later for later in self.schedule if later is not state]
+        the fastest window by LOSING: not timed; the state's next round times it again)."""
+        self.schedule.pop(0)
         self.window_start, self.points = now, 0
         return _STARTS[self.schedule[0]] if self.schedule else self._verdict(now)
 
@@ -161,7 +165,9 @@ class Judge:
         return Action.RESUME if was_paused else Action.NONE
 
     def _verdict(self, now: float) -> Action:
-        totals = self.totals
+        # each state's whole windows, counted as ROUNDS of them; a state lost in every round: inf
+        totals = {state: seconds * ROUNDS / self.whole[state] if self.whole[state] else math.inf
+                  for state, seconds in self.totals.items()}
         self.window_start, self.schedule = None, []
         best = State.INTERCEPTING
         for state in totals:                    # (in the order they were timed)

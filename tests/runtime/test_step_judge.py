@@ -86,24 +86,45 @@ def test_a_pause_that_would_keep_kernels_is_timed_without_them_too(kernels_s, pl
     assert not judge.probing
 
 
-def test_a_paused_window_that_loses_by_far_ends_early_and_is_not_timed_again():
-    """Kernels that run 10x faster than plain eager: the plain window ends once it took
-    LOSING times the fastest window, and no second plain window is timed."""
-    judge = Judge.starting_at(0.0)
-    now, step_s = FIRST_PROBE_S, {State.INTERCEPTING: 0.01, State.KERNELS: 0.01,
-                                  State.PLAIN: 0.1}
+def _probe_by_points(judge: Judge, now: float, point_s) -> tuple[list, dict]:
+    """Run a probe whose points take ``point_s(state, window number)`` each; the actions
+    asked for, and how many points each state's windows ran."""
     judge.at_point(now, True, 0, kernels=True)
-    plain_points, actions = 0, []
+    points, actions, windows = dict.fromkeys(State, 0), [], 0
     while judge.probing:
-        plain_points += judge.window is State.PLAIN
-        now += step_s[judge.window]
+        points[judge.window] += 1
+        now += point_s(judge.window, windows)
         action = judge.at_point(now, True, 0, kernels=True)
         if action is not Action.NONE:
             actions.append(action)
-    assert 0 < plain_points <= 3          # LOSING x 16 fast points at 10x: not 2 windows of 16
-    assert actions == [Action.PAUSE_WINDOW, Action.PLAIN_WINDOW, Action.RESUME,
-                       Action.PAUSE_WINDOW, Action.RESUME]
+            windows += 1
+    return actions, points
+
+
+def test_a_paused_window_that_loses_by_far_ends_early_and_a_state_that_always_loses_is_out():
+    """Kernels that run 10x faster than plain eager: each plain window ends once it took
+    LOSING times the fastest window, and plain, lost in both rounds, is out of the verdict."""
+    judge = Judge.starting_at(0.0)
+    step_s = {State.INTERCEPTING: 0.01, State.KERNELS: 0.01, State.PLAIN: 0.1}
+    actions, points = _probe_by_points(judge, FIRST_PROBE_S, lambda state, _: step_s[state])
+    assert 0 < points[State.PLAIN] <= 6     # LOSING x 16 fast points at 10x: ~2 a window
+    assert actions == list(_ROUND_WITH_KERNELS[1:] + _ROUND_WITH_KERNELS) + [Action.RESUME]
     assert judge.last_totals[State.PLAIN] == float("inf") and judge.verdicts == 0
+
+
+def test_a_window_lost_to_a_slow_stretch_does_not_rule_its_state_out():
+    """The machine slows 3x through the first plain window only: that window is lost, the
+    second is whole, and plain (faster than the other states) is the verdict."""
+    judge = Judge.starting_at(0.0)
+    step_s = {State.INTERCEPTING: 0.01, State.KERNELS: 0.009, State.PLAIN: 0.008}
+
+    def point_s(state, window):
+        return step_s[state] * (3 if window == 2 else 1)     # window 2: the first plain one
+
+    actions, points = _probe_by_points(judge, FIRST_PROBE_S, point_s)
+    assert points[State.PLAIN] < 2 * WINDOW                    # its first window was lost
+    assert actions[-1] is Action.PAUSE_PLAIN and judge.verdicts == 1
+    assert judge.last_totals[State.PLAIN] == pytest.approx(2 * WINDOW * 0.008)
 
 
 def test_a_probe_is_abandoned_from_its_plain_window_back_to_intercepting():
