@@ -280,8 +280,10 @@ def control_point() -> None:
     elif enabled.phase is Phase.PAUSED:
         landed = _banked_a_kernel(runtime)
         if landed or clock.monotonic() >= enabled.paused_until:
+            if runtime.judge.probing and runtime.judge.paused_probe:
+                runtime.judge.abandon(clock.monotonic())   # (a probe of this pause's)
             _resume(enabled, kernel_landed=landed)
-        else:
+        elif not runtime.judge.probing:         # (the judge is timing them)
             _drop_kernels_that_do_not_pay(enabled)
     if isinstance(interceptor, interceptors.PythonInterceptor) and interceptors.switch_ready(
             interceptor):
@@ -298,9 +300,13 @@ def _judged_by_the_step(enabled) -> bool:
     runtime's judge, and pause or resume as it says. True if the phase changed here."""
     runtime, judge = enabled.runtime, enabled.runtime.judge
     intercepting = enabled.phase is Phase.INTERCEPTING
+    # a pause of pausing's own that keeps kernels: the judge may time it without them too
+    paused_with_kernels = enabled.phase is Phase.PAUSED and not judge.probing and \
+        enabled.interceptor.kernels
     now = clock.monotonic()
     if not config.PAUSE or runtime.pause_requested or not (
-            intercepting or (enabled.phase is Phase.PAUSED and judge.paused_window)):
+            intercepting or paused_with_kernels or
+            (enabled.phase is Phase.PAUSED and judge.paused_window)):
         if judge.probing and not judge.paused_window:
             judge.abandon(now)          # pausing's own pause (or a sit-out) came between
         return False
@@ -308,7 +314,8 @@ def _judged_by_the_step(enabled) -> bool:
     settled = not (table.compiles_in_flight or table.compiles_due or table.kernels_on_trial)
     # (whether a pause would keep kernels matters only where a probe may start)
     kernels = not judge.probing and enabled.interceptor.has_kernels()
-    action = judge.at_point(now, settled, table.compiles_answered, kernels=kernels)
+    action = judge.at_point(now, settled, table.compiles_answered, kernels=kernels,
+                            paused=paused_with_kernels)
     if action is Action.PAUSE_WINDOW:
         if not (intercepting and enabled.interceptor.between_ops()):
             judge.abandon(now)
@@ -316,13 +323,19 @@ def _judged_by_the_step(enabled) -> bool:
         _pause(enabled, runtime.paused_by_judge(window=True))
     elif action is Action.PLAIN_WINDOW:
         _go_on_without_kernels(enabled)
+    elif action is Action.KERNELS_WINDOW:
+        _kernels_back(enabled)
     elif action in (Action.PAUSE, Action.PAUSE_PLAIN):
         if action is Action.PAUSE and not enabled.interceptor.kernels and \
                 State.PLAIN in judge.last_totals:
-            runtime.judge_keeps_kernels(True)   # the plain window came last: kernels back
-            _deactivate_paused(enabled)
+            _kernels_back(enabled)              # the plain window came last
         elif action is Action.PAUSE_PLAIN:           # (a plain window came last: plain now)
             counters.add("pauses_without_kernels")   # timed slower with them than without
+        if judge.paused_probe:                  # pausing's pause goes on, as long as it was
+            decide("paused_kernels_judged", kernels=action is Action.PAUSE,
+                   **{f"{state.value}_s": round(seconds, 4)
+                      for state, seconds in judge.last_totals.items()})
+            return True
         enabled.paused_until = now + runtime.paused_by_judge(window=False)
         decide("paused", seconds=enabled.paused_until - now, judged="step",
                kernels=action is Action.PAUSE, **{f"{state.value}_s": round(seconds, 4)
@@ -361,6 +374,12 @@ def _drop_kernels_that_do_not_pay(enabled) -> None:
     if interceptor.kernels and not runtime.kernels_pay_while_paused(
             interceptor.take_paused_ops()):
         _drop_kernels(enabled)
+
+
+def _kernels_back(enabled) -> None:
+    """The step judge's verdict or window: the pause goes on with its kernels again."""
+    enabled.runtime.judge_keeps_kernels(True)
+    _deactivate_paused(enabled)
 
 
 def _go_on_without_kernels(enabled) -> None:

@@ -45,6 +45,7 @@ DECISIONS = {
     "pause_requested": (logging.INFO, None),
     "paused": (logging.INFO, None),
     "paused_without_kernels": (logging.INFO, None),
+    "paused_kernels_judged": (logging.INFO, None),
     "resumed": (logging.INFO, None),
     "backend_switched": (logging.INFO, None),
     "first_step_plain": (logging.INFO, "optimizer"),

@@ -32,12 +32,20 @@ one lost window may be the machine's, not the state's. On a 2-core machine whose
 2x within seconds, a small MLP's training step lost both its paused windows to one slow
 stretch and went on intercepting, 1.38x slower than paused, until the next probe.
 
+A pause of pausing's own that keeps kernels (Note [Pausing], runtime/pausing.py) is judged too,
+between its two states only: once a probe is due, windows kept with the kernels and plain
+ones, in turn; the faster, by MARGIN over keeping them, is how the pause goes on (its length
+is pausing's). Otherwise only the ledger of Note [Kernels that do not pay while paused] would
+weigh them, and a program that pauses again at every resume would never be probed.
+
 The plain window is measured, not inferred: keeping kernels while paused costs every op of the
 program a pass through the extension, each kernel a launch and its ops their deferral, and the
 kernels' own trials (Note [Side by side]) time a segment, not the step around it. A small
 MLP's training step (batch 8, width 32: every op of its forward and backward in two kernels)
 ran 13-20% slower paused with its kernels than plainly, while the ledger of Note [Kernels that
-do not pay while paused], crediting each run with its trial's saving (14x), kept them.
+do not pay while paused], crediting each run with its trial's saving (14x), kept them; where
+pausing paused it before the judge's first probe, it ran so (12-17% slower than eager, in 2
+bench runs of 3) until a probe that only its pauses' ends could start.
 """
 from __future__ import annotations
 
@@ -58,6 +66,7 @@ class Action(enum.Enum):
     NONE = "none"
     PAUSE_WINDOW = "pause_window"     # pause, kernels kept, until the judge says otherwise
     PLAIN_WINDOW = "plain_window"     # go on paused without the kernels, the key out
+    KERNELS_WINDOW = "kernels_window"  # a paused probe: go on paused with the kernels again
     RESUME = "resume"                 # a paused window is over
     PAUSE = "pause"                   # the verdict: pause for ``paused_for()``, kernels kept
     PAUSE_PLAIN = "pause_plain"       # the verdict: pause so, without the kernels
@@ -94,6 +103,7 @@ class Judge:
     answers: int = 0                  # the table's compiles_answered when the probe began
     verdicts: int = 0                 # how many pauses it decided (for stats and tests)
     last_totals: dict = dataclasses.field(default_factory=dict)   # the last verdict's seconds
+    paused_probe: bool = False        # the probe times a pause's two states only
 
     @classmethod
     def starting_at(cls, now: float) -> "Judge":
@@ -122,13 +132,16 @@ class Judge:
     def paused_window(self) -> bool:
         return self.window not in (None, State.INTERCEPTING)
 
-    def at_point(self, now: float, settled: bool, answers: int, kernels: bool = False) -> Action:
+    def at_point(self, now: float, settled: bool, answers: int, kernels: bool = False,
+                 paused: bool = False) -> Action:
         """``settled``: nothing compiles or is due to, no kernel is on trial; ``answers``:
         compiles answered so far; ``kernels``: would a pause keep kernels (a probe that
-        starts here then times a plain paused window too)."""
+        starts here then times a plain paused window too); ``paused``: the thread is in a
+        pause of pausing's own that keeps its kernels (a probe that starts here times that
+        pause with and without them)."""
         if not self.probing:
             if settled and now >= self.probe_at:
-                self._start(now, kernels)
+                self._start(now, kernels, paused)
                 self.answers = answers
             return Action.NONE
         if not settled or answers != self.answers:
@@ -144,8 +157,12 @@ class Judge:
         self.fastest_s = min(self.fastest_s, elapsed)
         return self._next_window(now, lost=False)
 
-    def _start(self, now: float, kernels: bool) -> None:
-        states = (State.INTERCEPTING, State.KERNELS) + ((State.PLAIN,) if kernels else ())
+    def _start(self, now: float, kernels: bool, paused: bool) -> None:
+        if paused:
+            states = (State.KERNELS, State.PLAIN)
+        else:
+            states = (State.INTERCEPTING, State.KERNELS) + ((State.PLAIN,) if kernels else ())
+        self.paused_probe = paused
         self.schedule, self.totals = list(states) * ROUNDS, dict.fromkeys(states, 0.0)
         self.whole = dict.fromkeys(states, 0)
         self.window_start, self.points, self.fastest_s = now, 0, math.inf
@@ -155,25 +172,41 @@ class Judge:
         the fastest window by LOSING: not timed; the state's next round times it again)."""
         self.schedule.pop(0)
         self.window_start, self.points = now, 0
-        return _STARTS[self.schedule[0]] if self.schedule else self._verdict(now)
+        if not self.schedule:
+            return self._paused_verdict(now) if self.paused_probe else self._verdict(now)
+        if self.paused_probe and self.schedule[0] is State.KERNELS:
+            return Action.KERNELS_WINDOW
+        return _STARTS[self.schedule[0]]
 
     def abandon(self, now: float) -> Action:
-        """Stop the probe; RESUME if it was in a paused window."""
-        was_paused = self.paused_window
+        """Stop the probe; RESUME if it was in a paused window of an intercepting one (a
+        paused probe's pause goes on as it is)."""
+        resume = self.paused_window and not self.paused_probe
         self.window_start, self.schedule = None, []
         self.probe_at = now
-        return Action.RESUME if was_paused else Action.NONE
+        return Action.RESUME if resume else Action.NONE
 
-    def _verdict(self, now: float) -> Action:
-        # each state's whole windows, counted as ROUNDS of them; a state lost in every round: inf
+    def _best(self) -> State:
+        """The fastest state of the probe's, by MARGIN over the one timed before it; each by
+        its whole windows, counted as ROUNDS of them (a state lost in every round: inf)."""
         totals = {state: seconds * ROUNDS / self.whole[state] if self.whole[state] else math.inf
                   for state, seconds in self.totals.items()}
         self.window_start, self.schedule = None, []
-        best = State.INTERCEPTING
+        best = next(iter(totals))
         for state in totals:                    # (in the order they were timed)
             if totals[state] < totals[best] * (1.0 - MARGIN):
                 best = state
-        self.last_totals = dict(totals)
+        self.last_totals = totals
+        return best
+
+    def _paused_verdict(self, now: float) -> Action:
+        """A paused probe's: keep the kernels, or go on plainly; probed again KEEP_FIRST_S on."""
+        best = self._best()
+        self.probe_at = now + KEEP_FIRST_S
+        return Action.PAUSE if best is State.KERNELS else Action.PAUSE_PLAIN
+
+    def _verdict(self, now: float) -> Action:
+        best = self._best()
         if best is not State.INTERCEPTING:
             self.verdicts += 1
             self.probe_at = now + self.pause_s      # probed again once the pause is over

@@ -225,3 +225,38 @@ def test_no_probe_while_a_kernel_waits_for_its_verdict(fake_clock, monkeypatch):
         assert runtime.judge.verdicts == 0 and runtime.judge.last_times == (0.0, 0.0)
     for got, want in zip(losses, expected):
         assert_equal(got, want, bitwise=True)
+
+
+@pytest.mark.parametrize("plain_s, verdict", [(0.8, Action.PAUSE_PLAIN),
+                                              (0.89, Action.PAUSE)])   # within MARGIN
+def test_a_pause_of_pausings_that_keeps_kernels_is_timed_without_them(plain_s, verdict):
+    """A paused probe: windows kept with the kernels and plain ones, in turn; the verdict
+    keeps the kernels unless plain is faster by the margin, and leaves the pause's length
+    (and the judge's own pauses) as they were."""
+    judge = Judge.starting_at(0.0)
+    now = FIRST_PROBE_S
+    assert judge.at_point(now, True, 0, paused=True) is Action.NONE and judge.probing
+    actions, seconds_of = [], {State.KERNELS: 0.9, State.PLAIN: plain_s}
+    while judge.probing:
+        now += seconds_of[judge.window] / WINDOW
+        action = judge.at_point(now, True, 0)
+        if action is not Action.NONE:
+            actions.append(action)
+    assert actions == [Action.PLAIN_WINDOW, Action.KERNELS_WINDOW, Action.PLAIN_WINDOW,
+                       verdict]
+    assert judge.last_totals == pytest.approx({State.KERNELS: 1.8, State.PLAIN: 2 * plain_s})
+    assert judge.verdicts == 0 and judge.paused_for() == PAUSE_FIRST_S
+    assert judge.at_point(now + KEEP_FIRST_S - 0.01, True, 0, paused=True) is Action.NONE
+    assert not judge.probing                                    # the next probe waits
+
+
+def test_an_abandoned_paused_probe_leaves_the_pause_as_it_is():
+    judge = Judge.starting_at(0.0)
+    now = FIRST_PROBE_S
+    judge.at_point(now, True, 0, paused=True)
+    for _ in range(WINDOW):                                     # into its plain window
+        now += 0.01
+        judge.at_point(now, True, 0)
+    assert judge.window is State.PLAIN
+    assert judge.at_point(now + 0.01, True, answers=1) is Action.NONE     # not RESUME
+    assert not judge.probing
