@@ -1,6 +1,8 @@
 """Judging the runtime by the program's steps (Note [Judged by the step] in
 runtime/step_judge.py): intercepting and paused windows of control points, side by side; the
 runtime pauses when paused steps are faster. Times are stated (FakeClock), never measured."""
+import math
+
 import pytest
 import torch
 
@@ -69,7 +71,8 @@ _ROUND_WITH_KERNELS = (Action.RESUME, Action.PAUSE_WINDOW, Action.PLAIN_WINDOW)
 
 
 @pytest.mark.parametrize("kernels_s, plain_s, verdict", [
-    (0.9, 0.89, Action.PAUSE),          # kernels kept: plain is not faster by the margin
+    (0.85, 0.89, Action.PAUSE),         # kernels kept: faster than plain by the margin
+    (0.9, 0.89, Action.PAUSE_PLAIN),    # kernels not clearly faster than plain: plain
     (0.9, 0.8, Action.PAUSE_PLAIN),     # plain beats kernels kept
     (0.99, 0.9, Action.PAUSE_PLAIN),    # plain beats intercepting, kernels kept do not
     (1.2, 1.1, Action.RESUME),          # intercepting is fastest
@@ -228,11 +231,12 @@ def test_no_probe_while_a_kernel_waits_for_its_verdict(fake_clock, monkeypatch):
 
 
 @pytest.mark.parametrize("plain_s, verdict", [(0.8, Action.PAUSE_PLAIN),
-                                              (0.89, Action.PAUSE)])   # within MARGIN
+                                              (0.89, Action.PAUSE_PLAIN),  # (a tie: plain)
+                                              (0.95, Action.PAUSE)])
 def test_a_pause_of_pausings_that_keeps_kernels_is_timed_without_them(plain_s, verdict):
     """A paused probe: windows kept with the kernels and plain ones, in turn; the verdict
-    keeps the kernels unless plain is faster by the margin, and leaves the pause's length
-    (and the judge's own pauses) as they were."""
+    keeps the kernels where they are faster than plain by the margin, and leaves the pause's
+    length (and the judge's own pauses) as they were."""
     judge = Judge.starting_at(0.0)
     now = FIRST_PROBE_S
     assert judge.at_point(now, True, 0, paused=True) is Action.NONE and judge.probing
@@ -260,3 +264,24 @@ def test_an_abandoned_paused_probe_leaves_the_pause_as_it_is():
     assert judge.window is State.PLAIN
     assert judge.at_point(now + 0.01, True, answers=1) is Action.NONE     # not RESUME
     assert not judge.probing
+
+
+def test_windows_of_short_steps_last_the_shortest_window_in_whole_multiples_of_points():
+    """Points 1 ms apart: each window runs until SHORTEST_WINDOW_S, in multiples of WINDOW
+    points, and states compare per point (kernels 0.9 ms a point win over 1 ms)."""
+    judge = Judge.starting_at(0.0)
+    now, point_s = FIRST_PROBE_S, {State.INTERCEPTING: 1e-3, State.KERNELS: 0.9e-3}
+    judge.at_point(now, True, 0)
+    points, actions = [0], []
+    while judge.probing:
+        points[-1] += 1
+        now += point_s[judge.window]
+        action = judge.at_point(now, True, 0)
+        if action is not Action.NONE:
+            actions.append(action)
+            points.append(0)
+    whole = math.ceil(step_judge.SHORTEST_WINDOW_S / 1e-3 / WINDOW) * WINDOW
+    assert points[:-1] == [whole, math.ceil(step_judge.SHORTEST_WINDOW_S / 0.9e-3 / WINDOW)
+                           * WINDOW] * 2
+    assert actions[-1] is Action.PAUSE
+    assert judge.last_times == pytest.approx((2 * WINDOW * 1e-3, 2 * WINDOW * 0.9e-3))
