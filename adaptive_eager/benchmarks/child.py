@@ -18,8 +18,8 @@ step's state after it is comparable too:
    one process and one stretch of time, which the machine's drift between processes cannot
    skew (a 2-core machine here slowed eager's step 1.4x after ~20 s of load, so the later
    child looked slower). A block is ``iters // 2`` steps, or more where they take less than
-   PAIRED_BLOCK_S: that machine's speed moves up to 2x over seconds, and 4 steps of 20 us a
-   block gave ratios anywhere from 0.87 to 1.44 on reruns of one row. A block's first step is
+   PAIRED_BLOCK_S: that machine's speed moves up to 2x over seconds, and with blocks of 5
+   steps of ~20 us one row read 1.44, then 0.99 and 1.01 when rerun. A block's first step is
    not counted: switching in or out of ``ae.paused()`` costs it what no program that stays in
    one mode pays (steps alternated one by one ran the runtime's up to 4x slower than its
    steady steps).
