@@ -13,9 +13,9 @@ coming is on none: KeyTable.kernels_on_trial), the runtime times the program
 between its control points (an optimizer step, ``backward()``, ``ae.sync()``) in windows of WINDOW
 points, in rounds of the states it may run in: intercepting; paused keeping its kernels (Note
 [Kernels while paused] in csrc/hot_path.cpp), where C++ knows any; paused plainly, the key out
-of the dispatch set. The fastest state wins, by more than MARGIN over the one before it in that
-order (intercepting, kernels kept, plain): a state that is not clearly faster is not worth
-the switch. A paused state that wins makes the runtime pause, for PAUSE_FIRST_S, doubling to
+of the dispatch set. The fastest state wins, by more than MARGIN over the best before it in
+the order PREFERRED (intercepting, plain, kernels kept): a state that is not clearly faster
+is not worth the switch. A paused state that wins makes the runtime pause, for PAUSE_FIRST_S, doubling to
 PAUSE_LONGEST_S while verdicts stay the same (a kernel landing meanwhile ends the pause, as any
 pause); else it probes again after KEEP_FIRST_S, doubling to KEEP_LONGEST_S. A compile that
 starts or ends during a probe abandons it (the windows would not compare like with like).
@@ -36,8 +36,8 @@ machine's, not the state's. On a 2-core machine whose speed moves 2x within seco
 MLP's training step lost both its paused windows to one slow stretch and went on
 intercepting, 1.38x slower than paused, until the next probe.
 
-Kernels kept while paused must be faster than plain by MARGIN too: where they are not, the
-pause goes on plainly, the key out. They keep the key in for all of the program, not only the
+Kernels kept while paused come after plain in that order, so they must be faster than plain
+by MARGIN too: where they are not, the pause goes on plainly, the key out. They keep the key in for all of the program, not only the
 steps between the control points timed, and a tie timed in windows was not one in steady
 state: a small MLP's training step, kernels timed within 2.5% of plain, then ran 20-25%
 slower kept with them than its plain pauses in other runs.
@@ -88,6 +88,11 @@ class State(enum.Enum):
     INTERCEPTING = "intercepting"
     KERNELS = "kernels"               # paused, the kernels C++ knows still running
     PLAIN = "plain"                   # paused, the key out of the dispatch set
+
+
+# The order states must win in, each by MARGIN over the best before it (Note [Judged by the
+# step]): staying as it is, then the plain pause, then kernels kept while paused.
+PREFERRED = (State.INTERCEPTING, State.PLAIN, State.KERNELS)
 
 
 # The action that starts a window of each state, and the verdict that keeps one.
@@ -185,6 +190,7 @@ class Judge:
         self.schedule.pop(0)
         self.window_start, self.points = now, 0
         if not self.schedule:
+            self.window_start = None            # the probe is over
             return self._paused_verdict(now) if self.paused_probe else self._verdict(now)
         if self.paused_probe and self.schedule[0] is State.KERNELS:
             return Action.KERNELS_WINDOW
@@ -199,22 +205,18 @@ class Judge:
         return Action.RESUME if resume else Action.NONE
 
     def _best(self) -> State:
-        """The fastest state of the probe's, by MARGIN over the one timed before it; each by
-        its whole windows' time per point, counted as ROUNDS windows of WINDOW points (a
-        state lost in every round: inf)."""
+        """The probe's verdict state: the fastest, by MARGIN over the best before it in
+        PREFERRED; each by its whole windows' time per point, counted as ROUNDS windows of
+        WINDOW points (a state lost in every round: inf). Kept as ``last_totals``."""
         points = self.timed_points
-        totals = {state: seconds * ROUNDS * WINDOW / points[state] if points[state] else math.inf
-                  for state, seconds in self.totals.items()}
-        self.window_start, self.schedule = None, []
-        best = next(iter(totals))
-        for state in totals:                    # (in the order they were timed)
+        self.last_totals = totals = {
+            state: seconds * ROUNDS * WINDOW / points[state] if points[state] else math.inf
+            for state, seconds in self.totals.items()}
+        ranked = [state for state in PREFERRED if state in totals]
+        best = ranked[0]
+        for state in ranked[1:]:
             if totals[state] < totals[best] * (1.0 - MARGIN):
                 best = state
-        self.last_totals = totals
-        if best is State.KERNELS and State.PLAIN in totals and \
-                totals[State.KERNELS] > totals[State.PLAIN] * (1.0 - MARGIN) and \
-                totals[State.PLAIN] < totals.get(State.INTERCEPTING, math.inf) * (1.0 - MARGIN):
-            return State.PLAIN                  # kept kernels must pay clearly (see note)
         return best
 
     def _paused_verdict(self, now: float) -> Action:
